@@ -1,0 +1,9 @@
+"""DeepSeek-V4 sparse-MLA attention for PyTorch (Triton kernels for NVIDIA Hopper).
+
+Importing the package registers the ``torch.ops.dsv4`` ops.
+"""
+from . import ops  # noqa: F401  (registers torch.ops.dsv4.*)
+from .api import sparse_attn, sparse_mla
+
+__all__ = ["sparse_mla", "sparse_attn"]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""CUDA kernels, one module per kernel family; ``dispatch`` picks a kernel or the reference."""
