@@ -4,6 +4,7 @@ Importing the package registers the ``torch.ops.dsv4`` ops.
 """
 from . import ops  # noqa: F401  (registers torch.ops.dsv4.*)
 from .api import sparse_attn, sparse_mla
+from .kernels.dispatch import deterministic_backward, set_deterministic_backward
 
-__all__ = ["sparse_mla", "sparse_attn"]
+__all__ = ["sparse_mla", "sparse_attn", "set_deterministic_backward", "deterministic_backward"]
 __version__ = "0.1.0"

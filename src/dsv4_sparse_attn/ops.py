@@ -27,18 +27,21 @@ from .kernels import dispatch
 from .validation import check_backward, check_forward, kv_rows, lse_dtype
 
 
+# The dispatcher drops trailing arguments equal to their schema defaults before it
+# calls a registered kernel, so every kernel below repeats the defaults.
+
 # --------------------------------------------------------------------------- forward
-def _fwd_cpu(q, kv, indices, attn_sink, scale):
+def _fwd_cpu(q, kv, indices, attn_sink=None, scale=None):
     p = check_forward(q, kv, indices, attn_sink, scale)
     return reference.sparse_mla_fwd(q, kv_rows(kv), indices, attn_sink, p.scale)
 
 
-def _fwd_cuda(q, kv, indices, attn_sink, scale):
+def _fwd_cuda(q, kv, indices, attn_sink=None, scale=None):
     p = check_forward(q, kv, indices, attn_sink, scale)
     return dispatch.forward(q, kv_rows(kv), indices, attn_sink, p)
 
 
-def _fwd_fake(q, kv, indices, attn_sink, scale):
+def _fwd_fake(q, kv, indices, attn_sink=None, scale=None):
     p = check_forward(q, kv, indices, attn_sink, scale)
     out = q.new_empty((p.T, p.H, p.D))
     lse = q.new_empty((p.T, p.H), dtype=lse_dtype(q))
@@ -75,7 +78,7 @@ for _op in (sparse_mla_fwd, sparse_mla):
 
 
 # --------------------------------------------------------------------------- backward
-def _bwd_cpu(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scale):
+def _bwd_cpu(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink=None, scale=None):
     p = check_backward(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scale)
     dq, dkv, dsink = reference.sparse_mla_bwd(
         grad_out, grad_lse, q, kv_rows(kv), out, lse, indices, attn_sink, p.scale
@@ -83,7 +86,7 @@ def _bwd_cpu(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scale):
     return dq, dkv.view(kv.shape), dsink
 
 
-def _bwd_cuda(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scale):
+def _bwd_cuda(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink=None, scale=None):
     p = check_backward(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scale)
     dq, dkv, dsink = dispatch.backward(
         grad_out, grad_lse, q, kv_rows(kv), out, lse, indices, attn_sink, p
@@ -91,7 +94,7 @@ def _bwd_cuda(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scale):
     return dq, dkv.view(kv.shape), dsink
 
 
-def _bwd_fake(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scale):
+def _bwd_fake(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink=None, scale=None):
     p = check_backward(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scale)
     dq = q.new_empty((p.T, p.H, p.D))
     dkv = kv.new_empty(kv.shape)

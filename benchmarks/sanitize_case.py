@@ -1,0 +1,28 @@
+"""A small forward + backward with out-of-range and negative ids, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck python benchmarks/sanitize_case.py
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from dsv4_sparse_attn.kernels import backward as kbwd  # noqa: E402
+from dsv4_sparse_attn.kernels import forward as kfwd  # noqa: E402
+
+T, N, K = 37, 50, 77
+for H, D in ((128, 512), (16, 512), (5, 128)):
+    q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(-N, 2 * N, (T, K), device="cuda", dtype=torch.int32)
+    idx[:, 0] = 2**31 - 1
+    idx[:, 1] = -(2**31)
+    idx[3] = -1
+    sink = torch.randn(H, device="cuda")
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
+    do, dl = torch.randn_like(out), torch.randn_like(lse)
+    for det in (True, False):
+        g = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, D ** -0.5, deterministic=det)
+    torch.cuda.synchronize()
+    print("H", H, "D", D, "ok", bool(torch.isfinite(out).all()), bool(torch.isfinite(g[0]).all()))

@@ -1,0 +1,53 @@
+"""Helpers shared by the kernel launchers: interpreter switch, one-time warnings, limits."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import triton
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# Head dims the Triton kernels are written and tuned for (split into two D/2 halves).
+SUPPORTED_D = (64, 128, 256, 512)
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def interpreting(device: torch.device) -> bool:
+    """True when the kernels run under the Triton interpreter (TRITON_INTERPRET=1, CPU tensors).
+
+    CPU tensors reach the launchers only from the interpreter tests (the CPU op runs
+    the reference): that is how CI, which has no GPU, exercises the Triton code.
+    """
+    return device.type == "cpu"
+
+
+_warned: set = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def unsupported_reason(q: torch.Tensor, D: int) -> str | None:
+    """Why the Triton kernels cannot take this call (None when they can)."""
+    if q.dtype not in KERNEL_DTYPES:
+        return f"dtype {q.dtype} (kernels take bfloat16 and float16)"
+    if D not in SUPPORTED_D:
+        return f"head dim D={D} (kernels take D in {SUPPORTED_D})"
+    return None
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """Kernels take any strides but the last: a row must be contiguous for vector loads.
+
+    A tensor whose last dim is strided is copied once (documented in the README).
+    """
+    return x if x.stride(-1) == 1 or x.numel() == 0 else x.contiguous()
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))

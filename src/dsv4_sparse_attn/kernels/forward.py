@@ -1,0 +1,162 @@
+"""Triton forward kernel of sparse MLA: out [T, H, D] and the sink-inclusive lse [T, H].
+
+One program per (token, block of heads). All heads of a token share the same K
+gathered rows, so the GEMMs are M = heads (BLOCK_H), N = slots (BLOCK_K), reduction
+D. D is split in two halves so each accumulator half is a separate wgmma chain
+(a [64, 512] fp32 accumulator in one piece spills at 4 warps). Online softmax in
+base 2; the sink joins the denominator at the end.
+
+T, N, H, K and the index/lse strides are runtime values excluded from Triton's
+specialisation, so a new sequence length or top-k never recompiles.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import LN2, LOG2E, interpreting, last_dim_contiguous, next_pow2
+
+# Values that change from call to call (sequence length, top-k, pool size) are never
+# specialised; the row strides of q, kv and out (multiples of D in practice) are, so
+# Triton can prove 16-byte alignment and vectorise the row gathers.
+_RUNTIME_INTS = ["T", "H", "N", "K", "stride_it", "stride_lt"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def _sparse_mla_fwd_kernel(
+    Q, KV, IDX, SINK, OUT, LSE,
+    T, H, N, K,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
+    scale_log2,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    HALF: tl.constexpr = D // 2
+    # int64 program ids: T*H*D and N*D exceed 2**31 at DeepSeek scale.
+    pid_t = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    offs_d = tl.arange(0, HALF)
+
+    q_ptr = Q + pid_t * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
+    q0 = tl.load(q_ptr, mask=h_mask[:, None], other=0.0)
+    q1 = tl.load(q_ptr + HALF, mask=h_mask[:, None], other=0.0)
+    if DOT_FP32:  # the interpreter mis-computes bf16 dots (DESIGN.md section 5)
+        q0 = q0.to(tl.float32)
+        q1 = q1.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+
+    idx_row = IDX + pid_t * stride_it
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ids = tl.load(idx_row + offs_k, mask=offs_k < K, other=-1).to(tl.int64)
+        valid = (ids >= 0) & (ids < N)
+        # Masked ids never form an address: they read row 0 with the load masked off.
+        rows = tl.where(valid, ids, 0)
+        kv_ptr = KV + rows[:, None] * stride_kvn + offs_d[None, :]
+        kv0 = tl.load(kv_ptr, mask=valid[:, None], other=0.0)
+        kv1 = tl.load(kv_ptr + HALF, mask=valid[:, None], other=0.0)
+        if DOT_FP32:
+            kv0 = kv0.to(tl.float32)
+            kv1 = kv1.to(tl.float32)
+
+        s = tl.dot(q0, tl.trans(kv0))
+        s = tl.dot(q1, tl.trans(kv1), s)
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p_mm = p.to(kv0.dtype)
+        acc0 = tl.dot(p_mm, kv0, acc0 * alpha[:, None])
+        acc1 = tl.dot(p_mm, kv1, acc1 * alpha[:, None])
+        m_i = m_new
+
+    if HAS_SINK:
+        sink = tl.load(SINK + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        rescale = tl.exp2(m_i - m_f)
+        l_f = l_i * rescale + tl.exp2(sink - m_f)
+    else:
+        m_f = m_i
+        rescale = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
+        l_f = l_i
+    # Empty row without sink: l_f == 0 -> out 0 and lse -inf, never NaN.
+    nonempty = l_f > 0.0
+    w = tl.where(nonempty, rescale / tl.where(nonempty, l_f, 1.0), 0.0)
+    lse = tl.where(nonempty, (m_f + tl.log2(tl.where(nonempty, l_f, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+
+    o_ptr = OUT + pid_t * stride_ot + offs_h[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
+    tl.store(o_ptr, (acc0 * w[:, None]).to(OUT.dtype.element_ty), mask=h_mask[:, None])
+    tl.store(o_ptr + HALF, (acc1 * w[:, None]).to(OUT.dtype.element_ty), mask=h_mask[:, None])
+    tl.store(LSE + pid_t * stride_lt + offs_h, lse, mask=h_mask)
+
+
+class FwdConfig(NamedTuple):
+    BLOCK_H: int
+    BLOCK_K: int
+    num_warps: int
+    num_stages: int
+
+
+def forward_config(D: int, H: int) -> FwdConfig:
+    """Block sizes per head dim and head count (measurements in benchmarks/NOTES.md).
+
+    wgmma needs M (heads) a multiple of 64 to reach full rate; below 64 heads the
+    kernel is bound by gathered KV bytes and a smaller head block wastes less.
+    """
+    block_h = 64 if H > 32 else max(16, next_pow2(H))
+    if D == 512:
+        # 64x64 tiles, 8 warps, 2 stages: best plain-Triton point on H200 (NOTES.md).
+        return FwdConfig(block_h, 64, 8 if block_h == 64 else 4, 2)
+    if D == 256:
+        return FwdConfig(block_h, 64, 8 if block_h == 64 else 4, 2)
+    return FwdConfig(block_h, 64, 4, 3)
+
+
+def sparse_mla_fwd(q, kv, indices, attn_sink, scale, config: FwdConfig | None = None,
+                   out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    """Launch the forward. q [T,H,D], kv [N,D] (bf16/fp16), indices [T,K] int32/int64.
+
+    ``out``/``lse`` may be given (contiguous; tests pass poisoned buffers to catch
+    unwritten elements). CPU tensors run under the Triton interpreter (tests only).
+    """
+    T, H, D = q.shape
+    N, K = kv.shape[0], indices.shape[1]
+    q, kv, indices = last_dim_contiguous(q), last_dim_contiguous(kv), last_dim_contiguous(indices)
+    if out is None:
+        out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+    cfg = config or forward_config(D, H)
+    sink = attn_sink if attn_sink is not None else lse  # dummy pointer when HAS_SINK is off
+    grid = (T, triton.cdiv(H, cfg.BLOCK_H))
+    _sparse_mla_fwd_kernel[grid](
+        q, kv, indices, sink, out, lse,
+        T, H, N, K,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+        lse.stride(0),
+        scale * LOG2E,
+        D=D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, HAS_SINK=attn_sink is not None,
+        DOT_FP32=interpreting(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+__all__ = ["sparse_mla_fwd", "forward_config", "FwdConfig", "LN2"]

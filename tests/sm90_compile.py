@@ -1,0 +1,88 @@
+"""Compile a Triton kernel for sm_90 (H100/H200) on a machine without a GPU.
+
+Mirrors what the JIT does at a real launch on Hopper: pointers are 16-byte aligned
+and integer arguments that Triton specialises are divisible by 16 when ``div16``
+says so. Returns the shared memory, the count of wgmma / mma.sync instructions
+in the PTX and, when Triton's bundled ptxas is there, registers and spill bytes.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+H200_SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _ptxas() -> str | None:
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return path if os.path.exists(path) else None
+
+
+def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stages: int,
+                 div16=(), run_ptxas: bool = True) -> dict:
+    """``types``: arg name -> Triton type ("*bf16", "i32", "fp32"); ints default to i32."""
+    names = jit_fn.arg_names
+    sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in names}
+    attrs = {}
+    for i, n in enumerate(names):
+        if n in constexprs:
+            continue
+        if sig[n].startswith("*") or n in div16:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(jit_fn, sig, constexprs, attrs)
+    k = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = k.asm["ptx"]
+    res = dict(
+        shared=k.metadata.shared,
+        wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
+        mma_sync=len(re.findall(r"\bmma\.sync", ptx)),
+        registers=None,
+        spill_bytes=None,
+    )
+    ptxas = _ptxas() if run_ptxas else None
+    if ptxas:
+        with tempfile.TemporaryDirectory() as d:
+            src_path = os.path.join(d, "k.ptx")
+            with open(src_path, "w") as f:
+                f.write(ptx)
+            out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src_path, "-o",
+                                  os.path.join(d, "k.cubin")], capture_output=True, text=True)
+            log = out.stdout + out.stderr
+            m = re.search(r"Used (\d+) registers", log)
+            res["registers"] = int(m.group(1)) if m else None
+            m = re.search(r"(\d+) bytes spill stores", log)
+            res["spill_bytes"] = int(m.group(1)) if m else None
+    return res
+
+
+FWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", SINK="*fp32", OUT="*bf16", LSE="*fp32",
+                 scale_log2="fp32")
+FWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_ot", "stride_oh")
+BWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", DO="*bf16", LSE="*fp32", DELTA="*fp32",
+                 DQ="*bf16", DKV="*fp32", PARTIAL="*fp32", scale="fp32", scale_log2="fp32")
+BWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_dt", "stride_dh", "stride_gt", "stride_gh")
+
+
+def compile_forward(D: int, H: int, cfg=None, has_sink=True, run_ptxas=True) -> dict:
+    from dsv4_sparse_attn.kernels import forward as F
+
+    cfg = cfg or F.forward_config(D, H)
+    consts = dict(D=D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, HAS_SINK=has_sink, DOT_FP32=False)
+    return compile_sm90(F._sparse_mla_fwd_kernel, FWD_TYPES, consts, cfg.num_warps, cfg.num_stages,
+                        FWD_DIV16, run_ptxas)
+
+
+def compile_backward(D: int, H: int, cfg=None, atomic=False, run_ptxas=True) -> dict:
+    from dsv4_sparse_attn.kernels import backward as B
+
+    cfg = cfg or B.backward_config(D, H)
+    consts = dict(D=D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, ATOMIC=atomic, DOT_FP32=False)
+    return compile_sm90(B._bwd_main_kernel, BWD_TYPES, consts, cfg.num_warps, cfg.num_stages,
+                        BWD_DIV16, run_ptxas)

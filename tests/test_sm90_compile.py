@@ -1,0 +1,32 @@
+"""The D=512 kernel configurations compile for sm_90 (H100/H200) without a GPU.
+
+Fails if a configuration needs more shared memory than a Hopper block may have, or if
+its PTX lost the tensor-core wgmma path (fell back to mma.sync). Spills are reported.
+"""
+import pytest
+
+from sm90_compile import H200_SMEM_LIMIT, compile_backward, compile_forward
+
+HEADS = [128, 64, 16]  # V4-Pro, V4-Flash, V4-Pro over 8-way tensor parallelism
+
+
+@pytest.mark.parametrize("H", HEADS)
+@pytest.mark.parametrize("has_sink", [True, False])
+def test_forward_d512_compiles_for_sm90(H, has_sink):
+    r = compile_forward(512, H, has_sink=has_sink, run_ptxas=False)
+    assert r["shared"] <= H200_SMEM_LIMIT, r
+    if H >= 64:  # wgmma needs 64-row head blocks
+        assert r["wgmma"] > 0 and r["mma_sync"] == 0, r
+    else:
+        assert r["wgmma"] + r["mma_sync"] > 0, r
+
+
+@pytest.mark.parametrize("H", HEADS)
+@pytest.mark.parametrize("atomic", [False, True])
+def test_backward_d512_compiles_for_sm90(H, atomic):
+    r = compile_backward(512, H, atomic=atomic, run_ptxas=False)
+    assert r["shared"] <= H200_SMEM_LIMIT, r
+    if H >= 64:
+        assert r["wgmma"] > 0 and r["mma_sync"] == 0, r
+    else:
+        assert r["wgmma"] + r["mma_sync"] > 0, r
