@@ -100,7 +100,7 @@ def _bwd_fake(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink=None, scal
     dkv = kv.new_empty(kv.shape)
     dsink = q.new_empty(
         (p.H if attn_sink is not None else 0,),
-        dtype=attn_sink.dtype if attn_sink is not None else torch.float32,
+        dtype=attn_sink.dtype if attn_sink is not None else lse_dtype(q),
     )
     return dq, dkv, dsink
 

@@ -22,12 +22,13 @@ from .validation import lse_dtype
 CHUNK_BYTES = 256 * 2**20
 
 
-def token_chunk(H: int, D: int, K: int, budget: int = CHUNK_BYTES) -> int:
+def token_chunk(H: int, D: int, K: int, budget: Optional[int] = None) -> int:
     """Tokens per chunk so that the per-chunk temporaries stay under ``budget`` bytes.
 
     Per token: gathered rows (input dtype + fp32 copy + up to three fp32 [K, D]
     products in the backward) and about six fp32 [H, K] score-sized tensors.
     """
+    budget = CHUNK_BYTES if budget is None else budget
     per_token = K * D * (2 + 4 * 4) + H * K * 4 * 6 + H * D * 4 * 4 + 64
     return max(1, budget // per_token)
 
