@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import dsv4_sparse_attn  # noqa: E402,F401
 from dsv4_sparse_attn.kernels import backward as kbwd  # noqa: E402
 from dsv4_sparse_attn.kernels import forward as kfwd  # noqa: E402
+from dsv4_sparse_attn.kernels import forward_gluon  # noqa: E402
 
 SHAPES = [  # (H, K, label)
     (128, 1152, "V4-Pro CSA"),
@@ -94,6 +95,13 @@ def run_shape(T, H, K, D, label, with_torch=True, dev="cuda"):
     row["fwd_tflops"] = fl_f / row["fwd_ms"] * 1e-9
     row["fwd_extra_gib"] = peak_extra(fwd, nbytes(out, lse)) / GIB
     row["fwd_gather_gbs"] = T * K * D * 2 / row["fwd_ms"] * 1e-6
+    if forward_gluon.supported(q, D, H):
+        gfwd = lambda: forward_gluon.sparse_mla_fwd(q, kv, idx, sink, scale)
+        go, gl_ = gfwd()
+        row["gluon_fwd_err"] = ((go.float() - out.float()).norm() / out.float().norm()).item()
+        row["gluon_fwd_ms"] = bench(gfwd)
+        row["gluon_fwd_tflops"] = fl_f / row["gluon_fwd_ms"] * 1e-9
+        del go, gl_
 
     do, dl = torch.randn_like(out), torch.randn_like(lse)
     for det in (True, False):
@@ -127,7 +135,7 @@ def run_shape(T, H, K, D, label, with_torch=True, dev="cuda"):
     return row
 
 
-def sweep(T, D, dev="cuda"):
+def sweep(T, D, dev="cuda", which="all"):
     """Time candidate block configurations on two shapes (prints; winners go in code)."""
     res = []
     for H, K in ((128, 1152), (64, 640)):
@@ -138,8 +146,9 @@ def sweep(T, D, dev="cuda"):
         sink = torch.randn(H, device=dev)
         out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
         do, dl = torch.randn_like(out), torch.randn_like(lse)
-        for cfg in (kfwd.FwdConfig(64, 64, 8, 1), kfwd.FwdConfig(64, 64, 8, 2), kfwd.FwdConfig(64, 32, 8, 2),
-                    kfwd.FwdConfig(64, 32, 8, 3), kfwd.FwdConfig(64, 32, 8, 4), kfwd.FwdConfig(64, 16, 8, 4)):
+        triton_fwd_cfgs = (kfwd.FwdConfig(64, 64, 8, 1), kfwd.FwdConfig(64, 64, 8, 2), kfwd.FwdConfig(64, 32, 8, 2),
+                           kfwd.FwdConfig(64, 32, 8, 3), kfwd.FwdConfig(64, 32, 8, 4), kfwd.FwdConfig(64, 16, 8, 4))
+        for cfg in triton_fwd_cfgs if which == "all" else ():
             try:
                 ms = bench(lambda: kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, config=cfg), rep=100)
                 r = dict(kind="fwd", H=H, K=K, cfg=tuple(cfg), ms=ms, tflops=4 * T * H * K * D / ms * 1e-9)
@@ -147,7 +156,17 @@ def sweep(T, D, dev="cuda"):
                 r = dict(kind="fwd", H=H, K=K, cfg=tuple(cfg), error=str(e)[:120])
             print(r, flush=True)
             res.append(r)
-        for cfg in (kbwd.BwdConfig(64, 64, 8, 1), kbwd.BwdConfig(64, 64, 4, 1)):
+        for bk, st in ((64, 2), (32, 2), (32, 3), (32, 4)):
+            try:
+                ms = bench(lambda: forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, BLOCK_K=bk,
+                                                                STAGES=st), rep=100)
+                r = dict(kind="gluon_fwd", H=H, K=K, cfg=(bk, st), ms=ms, tflops=4 * T * H * K * D / ms * 1e-9)
+            except Exception as e:
+                r = dict(kind="gluon_fwd", H=H, K=K, cfg=(bk, st), error=str(e)[:120])
+            print(r, flush=True)
+            res.append(r)
+        bwd_cfgs = (kbwd.BwdConfig(64, 64, 8, 1), kbwd.BwdConfig(64, 64, 4, 1))
+        for cfg in bwd_cfgs if which == "all" else ():
             for det in (False, True):
                 try:
                     ms = bench(lambda: kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, D ** -0.5,
@@ -162,7 +181,7 @@ def sweep(T, D, dev="cuda"):
 
 
 def table(rows):
-    hdr = ("| shape | H | K | fwd ms | fwd TFLOPS | fwd extra GiB | bwd ms | bwd TFLOPS | bwd extra GiB "
+    hdr = ("| shape | H | K | fwd ms | fwd TFLOPS | Gluon fwd ms (TFLOPS) | fwd extra GiB | bwd ms | bwd TFLOPS | bwd extra GiB "
            "| bwd atomic ms | bwd atomic TFLOPS | torch fwd ms (TFLOPS, extra GiB) | step ms ours / torch "
            "(speedup) |")
     lines = [hdr, "|" + "---|" * (hdr.count("|") - 1)]
@@ -174,7 +193,8 @@ def table(rows):
                     if "torch_step_ms" in r else f"{r['step_ms']:.2f}")
         lines.append(
             f"| {r['label']} | {r['H']} | {r['K']} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | "
-            f"{r['fwd_extra_gib']:.2f} | {r['bwd_ms']:.3f} | {r['bwd_tflops']:.0f} | {r['bwd_extra_gib']:.2f} | "
+            + (f"{r['gluon_fwd_ms']:.3f} ({r['gluon_fwd_tflops']:.0f}) | " if "gluon_fwd_ms" in r else "- | ")
+            + f"{r['fwd_extra_gib']:.2f} | {r['bwd_ms']:.3f} | {r['bwd_tflops']:.0f} | {r['bwd_extra_gib']:.2f} | "
             f"{r['bwd_atomic_ms']:.3f} | {r['bwd_atomic_tflops']:.0f} | {torch_col} | {step_col} |")
     return "\n".join(lines)
 
@@ -183,15 +203,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--D", type=int, default=512)
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "gluon"])
+    ap.add_argument("--shapes", default="all", help="'all' or comma-separated row numbers, e.g. 0,1")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--json")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
-    res = {"sweep": sweep(a.T, a.D) if a.sweep else []}
+    res = {"sweep": sweep(a.T, a.D, which=a.sweep) if a.sweep else []}
     rows = []
-    for H, K, label in SHAPES:
+    shapes = SHAPES if a.shapes == "all" else [SHAPES[int(i)] for i in a.shapes.split(",")]
+    for H, K, label in shapes:
         r = run_shape(a.T, H, K, a.D, label, with_torch=not a.no_torch)
         print(json.dumps(r), flush=True)
         rows.append(r)

@@ -76,17 +76,19 @@ def make_case(c: Case, device, requires_grad=False):
     return q, kv, idx, sink
 
 
-def run_forward(c: Case, device):
+def run_forward(c: Case, device, fwd=None):
+    """``fwd``: the launcher under test (default: the Triton kernel)."""
+    fwd = fwd or kfwd.sparse_mla_fwd
     q, kv, idx, sink = make_case(c, device)
     out = torch.full((c.T, c.H, c.D), float("nan"), dtype=c.dtype, device=device)
     lse = torch.full((c.T, c.H), float("nan"), dtype=torch.float32, device=device)
-    kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5, out=out, lse=lse)
+    fwd(q, kv, idx, sink, c.D ** -0.5, out=out, lse=lse)
     ro, rl = oracle_fwd(q, kv, idx, sink)
     return dict(out=relerr(out, ro), lse=relerr(lse, rl)), (q, kv, idx, sink, out, lse)
 
 
-def check_forward(c: Case, device):
-    errs, (q, kv, idx, sink, out, lse) = run_forward(c, device)
+def check_forward(c: Case, device, fwd=None):
+    errs, (q, kv, idx, sink, out, lse) = run_forward(c, device, fwd)
     tol = TOL[c.dtype]
     assert errs["out"] < tol["out"], (str(c), errs)
     assert errs["lse"] < tol["lse"], (str(c), errs)

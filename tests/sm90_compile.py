@@ -36,7 +36,10 @@ def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stag
             continue
         if sig[n].startswith("*") or n in div16:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(jit_fn, sig, constexprs, attrs)
+    src_cls = ASTSource
+    if getattr(jit_fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as src_cls
+    src = src_cls(jit_fn, sig, constexprs, attrs)
     k = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
     ptx = k.asm["ptx"]
     res = dict(
@@ -86,3 +89,11 @@ def compile_backward(D: int, H: int, cfg=None, atomic=False, run_ptxas=True) -> 
     consts = dict(D=D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, ATOMIC=atomic, DOT_FP32=False)
     return compile_sm90(B._bwd_main_kernel, BWD_TYPES, consts, cfg.num_warps, cfg.num_stages,
                         BWD_DIV16, run_ptxas)
+
+
+def compile_forward_gluon(block_k=64, stages=2, has_sink=True, run_ptxas=True) -> dict:
+    from dsv4_sparse_attn.kernels import forward_gluon as G
+
+    consts = dict(D=512, BLOCK_K=block_k, STAGES=stages, HAS_SINK=has_sink)
+    return compile_sm90(G._sparse_mla_fwd_gluon_kernel, FWD_TYPES, consts, G.NUM_WARPS, 1,
+                        FWD_DIV16, run_ptxas)

@@ -50,6 +50,23 @@ def test_forward_matches_reference(case):
     check_forward(case, DEV)
 
 
+GLUON_CASES = [c for c in CASES if c.D == 512 and c.H >= 64] + [
+    Case(3, 192, 512, 100, 200, ids="deepseek"),   # three head blocks
+    Case(2, 100, 512, 60, 1),                      # K = 1, a partial head block
+    Case(5, 64, 512, 2000, 1000, ids="deepseek", sink=False),
+]
+
+
+@pytest.mark.parametrize("case", GLUON_CASES, ids=str)
+def test_gluon_forward_matches_reference(case):
+    from dsv4_sparse_attn.kernels import forward_gluon
+
+    q = torch.empty(1, case.H, case.D, device=DEV, dtype=case.dtype)
+    if not forward_gluon.supported(q, case.D, case.H):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU (H100/H200)")
+    check_forward(case, DEV, fwd=forward_gluon.sparse_mla_fwd)
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
 def test_backward_matches_reference(case, deterministic):
@@ -132,11 +149,14 @@ def test_ops_dispatch_to_kernel_and_fallback():
     from dsv4_sparse_attn.kernels import common
 
     common._warned.clear()  # the fallback warns once per process
+    from dsv4_sparse_attn.kernels import dispatch
+
     c = Case(8, 64, 512, 100, 96)
     q, kv, idx, sink = make_case(c, DEV)
     out, lse = torch.ops.dsv4.sparse_mla(q, kv, idx, sink)
     ro, rl = oracle_fwd(q, kv, idx, sink)
     assert relerr(out, ro) < TOL[BF]["out"]
+    assert not dispatch._gluon_broken, "the Gluon forward failed to build and fell back to Triton"
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         out32, _ = torch.ops.dsv4.sparse_mla(q.float(), kv.float(), idx, sink)

@@ -5,7 +5,7 @@ its PTX lost the tensor-core wgmma path (fell back to mma.sync). Spills are repo
 """
 import pytest
 
-from sm90_compile import H200_SMEM_LIMIT, compile_backward, compile_forward
+from sm90_compile import H200_SMEM_LIMIT, compile_backward, compile_forward, compile_forward_gluon
 
 HEADS = [128, 64, 16]  # V4-Pro, V4-Flash, V4-Pro over 8-way tensor parallelism
 
@@ -30,3 +30,11 @@ def test_backward_d512_compiles_for_sm90(H, atomic):
         assert r["wgmma"] > 0 and r["mma_sync"] == 0, r
     else:
         assert r["wgmma"] + r["mma_sync"] > 0, r
+
+
+@pytest.mark.parametrize("has_sink", [True, False])
+def test_gluon_forward_d512_compiles_for_sm90(has_sink):
+    """The Gluon kernel (the default forward for D=512, H>=64 on Hopper)."""
+    r = compile_forward_gluon(has_sink=has_sink, run_ptxas=False)
+    assert r["shared"] <= H200_SMEM_LIMIT, r
+    assert r["wgmma"] > 0 and r["mma_sync"] == 0, r

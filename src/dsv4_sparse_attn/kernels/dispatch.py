@@ -1,17 +1,21 @@
-"""Choose, for a CUDA call, the Triton kernel or (for shapes it cannot take) the reference.
+"""Choose, for a CUDA call, the kernel that runs it.
 
-A call the kernels cannot take (float32/float64 inputs, a head dim outside
-SUPPORTED_D) runs the exact reference on the GPU after a one-time warning: slower,
-never wrong.
+Forward: the Gluon kernel (``forward_gluon``) on sm_90 for D = 512 and H >= 64, the
+Triton kernel (``forward``) for the other shapes it takes. Backward: the Triton
+kernels (``backward``). A call no kernel takes (float32/float64 inputs, a head dim
+outside SUPPORTED_D) runs the exact reference on the GPU after a one-time warning:
+slower, never wrong. If the Gluon kernel fails to build (Gluon's API moves between
+Triton releases) the Triton kernel takes over, also after a one-time warning.
 """
 from __future__ import annotations
 
 from .. import reference
 from . import backward as _bwd
 from . import forward as _fwd
-from .common import unsupported_reason, warn_once
+from .common import last_dim_contiguous, unsupported_reason, warn_once
 
 _deterministic = True
+_gluon_broken = False
 
 
 def set_deterministic_backward(enabled: bool) -> None:
@@ -40,9 +44,35 @@ def _fallback(which: str, q, D: int) -> bool:
     return True
 
 
+def _gluon_forward(q, kv, indices, attn_sink, p):
+    """The Gluon forward, or None where it does not apply or cannot be built."""
+    global _gluon_broken
+    if _gluon_broken:
+        return None
+    try:
+        from . import forward_gluon
+    except ImportError as e:  # a Triton without Gluon's Hopper API
+        _gluon_broken = True
+        warn_once("gluon-import", f"dsv4.sparse_mla_fwd: Gluon kernel unavailable ({e}); using Triton.")
+        return None
+    if not forward_gluon.supported(q, p.D, p.H):
+        return None
+    try:
+        return forward_gluon.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale)
+    except Exception as e:  # compilation errors surface at the first launch
+        _gluon_broken = True
+        warn_once("gluon-build", f"dsv4.sparse_mla_fwd: Gluon kernel failed to build ({type(e).__name__}: "
+                  f"{str(e)[:200]}); using the Triton kernel.")
+        return None
+
+
 def forward(q, kv, indices, attn_sink, p):
     if _fallback("fwd", q, p.D):
         return reference.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale)
+    q, kv, indices = last_dim_contiguous(q), last_dim_contiguous(kv), last_dim_contiguous(indices)
+    res = _gluon_forward(q, kv, indices, attn_sink, p)
+    if res is not None:
+        return res
     return _fwd.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale)
 
 
