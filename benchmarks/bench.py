@@ -156,7 +156,7 @@ def sweep(T, D, dev="cuda", which="all"):
                 r = dict(kind="fwd", H=H, K=K, cfg=tuple(cfg), error=str(e)[:120])
             print(r, flush=True)
             res.append(r)
-        for bk, st in ((64, 2), (32, 2), (32, 3), (32, 4)):
+        for bk, st in ((64, 2), (32, 2), (32, 3), (32, 4)) if which in ("all", "gluon") else ():
             try:
                 ms = bench(lambda: forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, BLOCK_K=bk,
                                                                 STAGES=st), rep=100)
@@ -165,8 +165,9 @@ def sweep(T, D, dev="cuda", which="all"):
                 r = dict(kind="gluon_fwd", H=H, K=K, cfg=(bk, st), error=str(e)[:120])
             print(r, flush=True)
             res.append(r)
-        bwd_cfgs = (kbwd.BwdConfig(64, 64, 8, 1), kbwd.BwdConfig(64, 64, 4, 1))
-        for cfg in bwd_cfgs if which == "all" else ():
+        bwd_cfgs = (kbwd.BwdConfig(64, 64, 8, 1), kbwd.BwdConfig(64, 32, 8, 2), kbwd.BwdConfig(64, 32, 8, 3),
+                    kbwd.BwdConfig(64, 16, 8, 3))
+        for cfg in bwd_cfgs if which in ("all", "bwd") else ():
             for det in (False, True):
                 try:
                     ms = bench(lambda: kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, D ** -0.5,
@@ -203,7 +204,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--D", type=int, default=512)
-    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "gluon"])
+    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "gluon", "bwd"])
     ap.add_argument("--shapes", default="all", help="'all' or comma-separated row numbers, e.g. 0,1")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--out")

@@ -64,9 +64,13 @@ def _load_tile(ptr, mask, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _dkv_quarter(p_t, ds_t, do_x, q_x, ptr, mask, ATOMIC: tl.constexpr):
-    """One D quarter of this slot block's dKV rows: P^T dO + (scale dS)^T Q."""
-    part = tl.dot(p_t, do_x, tl.dot(ds_t, q_x))
+def _dkv_quarter(p_mm, ds_mm, do_x, q_x, ptr, mask, ATOMIC: tl.constexpr):
+    """One D quarter of this slot block's dKV rows, transposed: dO^T P + Q^T (scale dS).
+
+    Computed as [D/4, BLOCK_K] so the wgmma M dimension is D/4 (a multiple of 64)
+    whatever BLOCK_K is; ``ptr``/``mask`` address the transposed tile.
+    """
+    part = tl.dot(tl.trans(do_x), p_mm, tl.dot(tl.trans(q_x), ds_mm))
     if ATOMIC:
         tl.atomic_add(ptr, part, mask=mask, sem="relaxed")
     else:
@@ -152,20 +156,21 @@ def _bwd_main_kernel(
         dq2 = tl.dot(ds_mm, kv2, dq2)
         dq3 = tl.dot(ds_mm, kv3, dq3)
 
-        # dKV rows of this slot block, summed over this program's heads.
-        ds_t = tl.trans((ds * scale).to(kv0.dtype))
-        p_t = tl.trans(p.to(kv0.dtype))
+        # dKV rows of this slot block (summed over this program's heads), transposed.
+        ds_sc = (ds * scale).to(kv0.dtype)
+        p_mm = p.to(kv0.dtype)
+        offs_dt = tl.arange(0, QD)[:, None]
         if ATOMIC:
-            out_ptr = DKV + rows[:, None] * D + offs_d
-            out_mask = vm
+            out_ptr = DKV + rows[None, :] * D + offs_dt
+            out_mask = valid[None, :]
         else:
-            out_ptr = (PARTIAL + ((pid_c * n_hb + pid_h) * K + offs_k[:, None].to(tl.int64)) * D
-                       + offs_d)
-            out_mask = (offs_k < K)[:, None]
-        _dkv_quarter(p_t, ds_t, do0, q0, out_ptr, out_mask, ATOMIC)
-        _dkv_quarter(p_t, ds_t, do1, q1, out_ptr + QD, out_mask, ATOMIC)
-        _dkv_quarter(p_t, ds_t, do2, q2, out_ptr + 2 * QD, out_mask, ATOMIC)
-        _dkv_quarter(p_t, ds_t, do3, q3, out_ptr + 3 * QD, out_mask, ATOMIC)
+            out_ptr = (PARTIAL + ((pid_c * n_hb + pid_h) * K + offs_k[None, :].to(tl.int64)) * D
+                       + offs_dt)
+            out_mask = (offs_k < K)[None, :]
+        _dkv_quarter(p_mm, ds_sc, do0, q0, out_ptr, out_mask, ATOMIC)
+        _dkv_quarter(p_mm, ds_sc, do1, q1, out_ptr + QD, out_mask, ATOMIC)
+        _dkv_quarter(p_mm, ds_sc, do2, q2, out_ptr + 2 * QD, out_mask, ATOMIC)
+        _dkv_quarter(p_mm, ds_sc, do3, q3, out_ptr + 3 * QD, out_mask, ATOMIC)
 
     dq_ptr = DQ + pid_t * stride_gt + h64 * stride_gh + offs_d
     tl.store(dq_ptr, (dq0 * scale).to(DQ.dtype.element_ty), mask=hm)
