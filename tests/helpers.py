@@ -84,3 +84,21 @@ def oracle_bwd(do, dlse, q, kv, idx, sink, scale=None):
     out, lse = reference.sparse_mla_fwd(q64, kv64, idx.cpu(), s, scale)
     dl = None if dlse is None else dlse.detach().double().cpu()
     return reference.sparse_mla_bwd(do.detach().double().cpu(), dl, q64, kv64, out, lse, idx.cpu(), s, scale)
+
+
+def causal_indices(shape, K: int, window: int, device="cpu", dtype=torch.int32,
+                   generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """DeepSeek-style ids into a sequence's own S rows, for blocks whose kv is computed
+    from x: the causal window t-window+1..t (-1 where negative), then K - window random
+    earlier positions 0..t (standing in for the indexer's top-k; duplicates possible).
+
+    ``shape`` is (S,) for flat [S, K] ids or (B, S) for batched [B, S, K] ids.
+    """
+    *lead, S = shape
+    t = torch.arange(S, device=device)[:, None]
+    w = min(window, K)
+    win = t - torch.arange(w - 1, -1, -1, device=device)[None, :]
+    win = torch.where(win >= 0, win, torch.full_like(win, -1)).expand(*lead, S, w)
+    u = torch.rand(*lead, S, K - w, device=device, generator=generator)
+    rnd = (u * (t + 1)).long().clamp(max=S - 1)
+    return torch.cat([win, rnd], dim=-1).to(dtype)

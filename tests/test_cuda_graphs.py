@@ -1,0 +1,177 @@
+"""CUDA graphs: no host sync in forward + backward, whole-step capture and replay, and
+torch.compile(mode="reduce-overhead") with its cudagraph trees. GPU only.
+
+The block runs in bf16 so the GPU kernels (not the reference) are what is checked, in two
+shapes: H=16, D=128 (the Triton forward) and H=64, D=512 (DeepSeek's head dim: the Gluon
+forward on sm_90, the Triton one elsewhere). Both backward variants are covered: the
+deterministic default (torch.sort + searchsorted on the device, no .item()) and the
+fp32-atomic one.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dsv4_sparse_attn
+from dsv4_sparse_attn import SparseMLAAttention
+from helpers import causal_indices, relerr
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA GPU (CUDA graphs, Triton kernels)"),
+]
+
+T, K, WINDOW = 256, 96, 32
+DTYPE = torch.bfloat16
+# (dim, H, D)
+SHAPES = {"h16d128": (512, 16, 128), "h64d512": (1024, 64, 512)}
+
+
+@pytest.fixture(params=[True, False], ids=["det", "atomic"])
+def deterministic(request):
+    old = dsv4_sparse_attn.deterministic_backward()
+    dsv4_sparse_attn.set_deterministic_backward(request.param)
+    yield request.param
+    dsv4_sparse_attn.set_deterministic_backward(old)
+
+
+@pytest.fixture(params=list(SHAPES))
+def shape(request):
+    return SHAPES[request.param]
+
+
+def _block(seed: int, shape=SHAPES["h16d128"]) -> SparseMLAAttention:
+    dim, n_heads, head_dim = shape
+    torch.manual_seed(seed)
+    block = SparseMLAAttention(dim, n_heads, head_dim, bias=True, device="cuda", dtype=DTYPE)
+    with torch.no_grad():
+        block.attn_sink.normal_()
+    return block
+
+
+def _inputs(seed: int, shape=SHAPES["h16d128"]):
+    dim = shape[0]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, dim, device="cuda", generator=g).to(DTYPE)
+    idx = causal_indices((T,), K, WINDOW, device="cuda", generator=g)
+    target = torch.randn(T, dim, device="cuda", generator=g)
+    return x, idx, target
+
+
+def _loss(y, lse, target):
+    return (y.float() - target).square().mean() + 0.01 * lse.mean()
+
+
+def _fwd_bwd(block, x, idx, target):
+    block.zero_grad(set_to_none=True)
+    y, lse = block(x, idx, return_lse=True)
+    loss = _loss(y, lse, target)
+    loss.backward()
+    return y, lse, loss
+
+
+def _grads(block):
+    return {n: p.grad.detach().clone() for n, p in block.named_parameters()}
+
+
+def test_forward_backward_without_host_sync(deterministic, shape):
+    block = _block(0, shape)
+    x, idx, target = _inputs(1, shape)
+    _fwd_bwd(block, x, idx, target)  # warm-up: Triton compiles (and may sync) on the first call
+    torch.cuda.synchronize()
+    x2, idx2, target2 = _inputs(2, shape)
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
+    try:
+        for _ in range(2):
+            _, _, loss = _fwd_bwd(block, x2, idx2, target2)
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+    torch.cuda.synchronize()
+    assert torch.isfinite(loss).item()
+    assert all(torch.isfinite(p.grad).all().item() for p in block.parameters())
+
+
+def test_whole_step_capture_and_replay(deterministic, shape):
+    """Forward + backward captured in one torch.cuda.CUDAGraph; replays on new inputs copied
+    into the static buffers give eager's out, lse, loss and parameter gradients."""
+    block = _block(3, shape)
+    eager = copy.deepcopy(block)  # its own .grad tensors: the graph's live in the graph pool
+    static_x, static_idx, static_target = _inputs(4, shape)
+
+    # Warm up on a side stream (PyTorch docs, "Whole-network capture").
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            _fwd_bwd(block, static_x, static_idx, static_target)
+    torch.cuda.current_stream().wait_stream(s)
+
+    graph = torch.cuda.CUDAGraph()
+    block.zero_grad(set_to_none=True)  # grads are allocated inside the graph's pool
+    with torch.cuda.graph(graph):
+        static_y, static_lse = block(static_x, static_idx, return_lse=True)
+        static_loss = _loss(static_y, static_lse, static_target)
+        static_loss.backward()
+
+    for seed in (5, 6, 7):
+        x, idx, target = _inputs(seed, shape)
+        static_x.copy_(x)
+        static_idx.copy_(idx)
+        static_target.copy_(target)
+        graph.replay()
+        y, lse, loss = _fwd_bwd(eager, x, idx, target)
+        torch.cuda.synchronize()
+        # Same kernels on the same values: bitwise in practice; 1e-3 leaves room for a
+        # cuBLAS algorithm chosen differently under capture (and for the atomic backward).
+        assert relerr(static_y, y) <= 1e-3, seed
+        assert relerr(static_lse, lse) <= 1e-3, seed
+        assert relerr(static_loss, loss) <= 1e-3, seed
+        want = _grads(eager)
+        got = _grads(block)
+        assert got.keys() == want.keys()
+        for name in want:
+            assert relerr(got[name], want[name]) <= 1e-3, (seed, name)
+
+
+def test_compile_reduce_overhead_uses_cudagraphs(deterministic):
+    """torch.compile(mode="reduce-overhead"): forward and backward run as cudagraph trees,
+    nothing is skipped, and out / lse / gradients match eager. (H=16, D=128.)"""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    torch._dynamo.reset()
+    counters.clear()
+    block = _block(8)
+    eager = copy.deepcopy(block)
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    # Recording happens on the later calls (the first ones warm up): run a few steps.
+    for seed in range(9, 14):
+        x, idx, target = _inputs(seed)
+        torch.compiler.cudagraph_mark_step_begin()
+        block.zero_grad(set_to_none=True)
+        y, lse = compiled(x, idx, return_lse=True)
+        # The outputs live in the cudagraph pool until the next replay: copy what we keep.
+        y_c, lse_c = y.detach().clone(), lse.detach().clone()
+        loss = _loss(y, lse, target)
+        loss.backward()
+        loss_c = loss.detach().clone()
+        g_c = _grads(block)
+        del y, lse, loss
+        y_e, lse_e, loss_e = _fwd_bwd(eager, x, idx, target)
+        g_e = _grads(eager)
+        # bf16: inductor fuses the projections, bias adds and casts differently from eager.
+        assert relerr(y_c, y_e) < 2e-2, seed
+        assert relerr(lse_c, lse_e) < 2e-2, seed
+        assert relerr(loss_c, loss_e) < 2e-2, seed
+        for name in g_e:
+            assert relerr(g_c[name], g_e[name]) < 2e-2, (seed, name)
+    assert counters["inductor"]["cudagraph_skips"] == 0, "inductor skipped cudagraphs (see the log)"
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    assert manager is not None, "no cudagraph tree manager: cudagraphs were not used"
+    recorded = list(manager.get_roots())
+    assert recorded, "cudagraph trees recorded no graph"
+    torch._dynamo.reset()
