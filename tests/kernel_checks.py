@@ -73,6 +73,8 @@ def make_case(c: Case, device, requires_grad=False):
     kv = noncontig(torch.randn(c.N, c.D, device=device).to(c.dtype))
     idx = noncontig(make_indices(c, device))
     sink = (torch.randn(c.H, device=device) * c.sink_scale).float() if c.sink else None
+    if c.noncontig and sink is not None:  # a strided [H] view: heads are not base + h
+        sink = torch.stack([sink, torch.full_like(sink, 1e4)], 1).reshape(-1)[::2]
     return q, kv, idx, sink
 
 
@@ -107,6 +109,12 @@ def check_backward(c: Case, device, deterministic=True, with_dlse=True):
     out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5)
     do = torch.randn_like(out)
     dlse = torch.randn_like(lse) if with_dlse else None
+    if c.noncontig:  # strided head dims, like gradients autograd hands over
+        do = torch.stack([do, torch.full_like(do, 1e4)], 2).flatten(1, 2)[:, ::2]
+        if dlse is not None:
+            dlse = torch.stack([dlse, torch.full_like(dlse, 1e4)], 2).flatten(1)[:, ::2]
+        out = torch.stack([out, torch.full_like(out, 1e4)], 2).flatten(1, 2)[:, ::2]
+        lse = torch.stack([lse, torch.full_like(lse, 1e4)], 2).flatten(1)[:, ::2]
     dq = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
     gq, gkv, gs = kbwd.sparse_mla_bwd(do, dlse, q, kv, out, lse, idx, sink, c.D ** -0.5,
                                       deterministic=deterministic, grad_q=dq)

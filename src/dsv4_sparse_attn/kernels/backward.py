@@ -241,6 +241,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     N, K = kv.shape[0], indices.shape[1]
     q, kv, indices = last_dim_contiguous(q), last_dim_contiguous(kv), last_dim_contiguous(indices)
     grad_out, out = last_dim_contiguous(grad_out), last_dim_contiguous(out)
+    lse, grad_lse, attn_sink = (last_dim_contiguous(x) for x in (lse, grad_lse, attn_sink))
     dev = q.device
     cfg = config or backward_config(D, H)
     n_hb = triton.cdiv(H, cfg.BLOCK_H)

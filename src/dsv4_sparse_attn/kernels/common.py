@@ -41,12 +41,16 @@ def unsupported_reason(q: torch.Tensor, D: int) -> str | None:
     return None
 
 
-def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """Kernels take any strides but the last: a row must be contiguous for vector loads.
+def last_dim_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
+    """Kernels take any strides but the last, which they assume is 1 (vector loads of
+    rows; heads of lse/sink addressed as ``base + h``).
 
-    A tensor whose last dim is strided is copied once (documented in the README).
+    A tensor whose last dim is strided (a slice, or an expanded gradient with stride 0)
+    is copied once (documented in the README). None passes through.
     """
-    return x if x.stride(-1) == 1 or x.numel() == 0 else x.contiguous()
+    if x is None or x.stride(-1) == 1 or x.numel() == 0:
+        return x
+    return x.contiguous()
 
 
 def next_pow2(n: int) -> int:

@@ -138,6 +138,7 @@ def sparse_mla_fwd(q, kv, indices, attn_sink, scale, config: FwdConfig | None = 
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     q, kv, indices = last_dim_contiguous(q), last_dim_contiguous(kv), last_dim_contiguous(indices)
+    attn_sink = last_dim_contiguous(attn_sink)
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     if lse is None:

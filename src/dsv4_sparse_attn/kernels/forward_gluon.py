@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .common import LOG2E
+from .common import LOG2E, last_dim_contiguous
 
 BLOCK_H = 64
 NUM_WARPS = 8
@@ -182,6 +182,8 @@ def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, BLOCK_K
         lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
+    q, kv, indices = last_dim_contiguous(q), last_dim_contiguous(kv), last_dim_contiguous(indices)
+    attn_sink = last_dim_contiguous(attn_sink)
     sink = attn_sink if attn_sink is not None else lse
     grid = (T, triton.cdiv(H, BLOCK_H))
     _sparse_mla_fwd_gluon_kernel[grid](
