@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, interpreting, last_dim_contiguous, next_pow2
+from .common import LOG2E, interpreting, last_dim_contiguous, next_pow2, slot_rows
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
 # of the backward is this plus O(T*H + N*D) fp32).
@@ -127,10 +127,7 @@ def _bwd_main_kernel(
     idx_row = IDX + pid_t * stride_it
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        ids = tl.load(idx_row + offs_k, mask=offs_k < K, other=-1).to(tl.int64)
-        valid = (ids >= 0) & (ids < N)
-        # Masked ids never form an address: they read row 0 with the load masked off.
-        rows = tl.where(valid, ids, 0)
+        valid, rows = slot_rows(idx_row, offs_k, K, N)
         vm = valid[:, None]
         kv_ptr = KV + rows[:, None] * stride_kvn + offs_d
         kv0 = _load_tile(kv_ptr, vm, DOT_FP32)

@@ -5,6 +5,7 @@ import warnings
 
 import torch
 import triton
+import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -55,3 +56,15 @@ def last_dim_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
+
+
+@triton.jit
+def slot_rows(idx_row, offs_k, K, N):
+    """Load the ids of slots ``offs_k`` of one token; return (valid, row) as int64.
+
+    Slots past K and ids < 0 or >= N are invalid; an invalid slot's row is 0, so a
+    masked id never forms an address (its load is masked off as well).
+    """
+    ids = tl.load(idx_row + offs_k, mask=offs_k < K, other=-1).to(tl.int64)
+    valid = (ids >= 0) & (ids < N)
+    return valid, tl.where(valid, ids, 0)

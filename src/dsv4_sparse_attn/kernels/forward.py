@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, interpreting, last_dim_contiguous, next_pow2
+from .common import LN2, LOG2E, interpreting, last_dim_contiguous, next_pow2, slot_rows
 
 # Values that change from call to call (sequence length, top-k, pool size) are never
 # specialised; the row strides of q, kv and out (multiples of D in practice) are, so
@@ -60,10 +60,7 @@ def _sparse_mla_fwd_kernel(
     idx_row = IDX + pid_t * stride_it
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        ids = tl.load(idx_row + offs_k, mask=offs_k < K, other=-1).to(tl.int64)
-        valid = (ids >= 0) & (ids < N)
-        # Masked ids never form an address: they read row 0 with the load masked off.
-        rows = tl.where(valid, ids, 0)
+        valid, rows = slot_rows(idx_row, offs_k, K, N)
         kv_ptr = KV + rows[:, None] * stride_kvn + offs_d[None, :]
         kv0 = tl.load(kv_ptr, mask=valid[:, None], other=0.0)
         kv1 = tl.load(kv_ptr + HALF, mask=valid[:, None], other=0.0)
