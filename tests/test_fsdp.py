@@ -3,7 +3,10 @@ selective): three optimizer steps match an unsharded reference model trained the
 
 CPU: gloo, two processes (torch.multiprocessing.spawn), D=16 (the CPU runs the reference);
      and gloo in one process (world_size 1), the code path of the GPU test.
-GPU: NCCL, one process (world_size 1), bf16 with D=128 so the Triton kernels run.
+GPU: NCCL, one process (world_size 1), bf16 with D=128 so the Triton kernels run;
+     NCCL, two processes on two GPUs (skipped with fewer), eager and with each layer
+     under ``torch.compile`` (inductor), which also print the mean step time.
+     (Step times for one GPU against two, at a larger size: benchmarks/fsdp_step_time.py.)
 
 How the reference is trained: FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)`` keeps fp32 sharded parameters, computes forward and backward with
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import os
 import socket
 import time
 
@@ -41,6 +45,11 @@ from helpers import causal_indices, relerr
 
 STEPS = 3
 TIMEOUT_S = 240
+# Two GPU processes compile each layer (inductor, Triton) once per checkpointing mode.
+TIMEOUT_COMPILE_S = 480
+# No NVLink SHARP / multicast on the lent machines. Set in the parent before spawning
+# (children inherit its environment) and again in each worker before NCCL starts.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 # (dim, H, D, samples per rank, S, K, window, tolerance on relerr)
 # CPU tolerance: the same bf16 ops on the same values, and the average of two fp32
@@ -54,6 +63,16 @@ CONFIGS = {
     "cpu": (32, 4, 16, 2, 12, 8, 4, 1e-6),
     "cuda": (256, 8, 128, 2, 128, 48, 16, 2e-2),
 }
+# Tolerance with compile=True (the FSDP2 model's layers compiled, the reference eager),
+# either device: inductor fuses the bias adds, the residual add and their gradients'
+# reductions into its own kernels, keeping fp32 inside them where eager rounds each op's
+# output to bf16, so the two differ by a bf16 rounding or two (2^-8 = 4e-3) per layer:
+# observed on the CPU (gloo, two processes) up to 8e-3 in the gradients (eager: 0). On the
+# GPU the cuBLAS difference above comes on top, an independent bf16 rounding of the same
+# size; the GPU's 2e-2 is kept for both (tests/test_compile.py needs 2e-2 between compiled
+# and eager CUDA too). A wrong gradient is off by O(1); the bf16 compute is asserted on y's
+# dtype; the call counts and "every parameter trains" are checked as without compile.
+COMPILE_TOL = 2e-2
 
 
 class Layer(nn.Module):
@@ -129,12 +148,50 @@ def _count_forward_calls(device):
     return calls, lambda: setattr(mod, name, real)
 
 
-def train_and_compare(rank: int, world_size: int, device: str) -> None:
+def _compile_layers(model: Model) -> None:
+    """Replace each layer (checkpointing wrapper, residual, attention) by
+    ``torch.compile(layer, fullgraph=True)`` (inductor), as torchtitan does before
+    ``fully_shard``.
+
+    ``fully_shard`` then goes on the compiled wrapper (``OptimizedModule``): FSDP2's
+    pre/post-forward hooks (all-gather, reshard) run eagerly around the compiled call and
+    never reach dynamo, so ``fullgraph=True`` holds: the graph is the layer's forward, the
+    activation checkpoint (a higher-order op, SAC policy included) and the dsv4 op. The
+    parameters are the same objects, named with an extra ``_orig_mod.`` (``_ref_name``).
+    Checked with fullgraph=True on the CPU (gloo, torch 2.13): one graph per layer, made
+    in the first step, none after it (asserted in ``train_and_compare``).
+    """
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = torch.compile(layer, fullgraph=True)
+
+
+def _ref_name(name: str) -> str:
+    """The reference's name of a parameter of a model whose layers may be compiled."""
+    return name.replace("._orig_mod.", ".")
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_and_compare(rank: int, world_size: int, device: str, compile: bool = False) -> dict:
     """Train FSDP2 and reference models side by side for each checkpointing mode; assert
-    losses, gradients and parameters agree. Needs an initialised default process group."""
+    losses, gradients and parameters agree. Needs an initialised default process group.
+
+    compile: ``torch.compile`` each layer of the FSDP2 model before ``fully_shard``
+    (``_compile_layers``); the reference stays eager.
+
+    Returns, per mode, ``{"step_ms": ..., "max_relerr": ...}``: the mean time of the FSDP2
+    model's step (forward + backward + optimizer step, the device synchronised around
+    each part; the first step, a warm-up with the compilation, is left out), the larger over
+    the ranks, and the largest relerr (losses, gradients, parameters) this rank saw.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dim, n_heads, head_dim, per_rank, S, K, window, tol = CONFIGS[device]
+    if compile:
+        tol = COMPILE_TOL
     bf16 = torch.bfloat16
     mp_policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
     # An explicit mesh: without one fully_shard places shards on the current accelerator,
@@ -142,20 +199,33 @@ def train_and_compare(rank: int, world_size: int, device: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device, (world_size,))
+    results = {}
     for mode in ("full", "selective"):
+        if compile:
+            torch._dynamo.reset()  # a new model: compile afresh, not against the last mode's guards
+            torch._dynamo.utils.counters.clear()  # reset() keeps them
         torch.manual_seed(0)  # the same initial model on every rank
         model = Model(dim, n_heads, head_dim, mode).to(device)
         ref = copy.deepcopy(model)
         for layer in ref.layers:
             layer.mode = "none"
+        if compile:
+            _compile_layers(model)
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
         ref_params = dict(ref.named_parameters())
-        assert list(ref_params) == [n for n, _ in model.named_parameters()]
+        assert list(ref_params) == [_ref_name(n) for n, _ in model.named_parameters()]
         initial = {n: p.detach().clone() for n, p in ref_params.items()}
+        step_s, worst = [], 0.0
+
+        def check(x, want, *what):
+            nonlocal worst
+            err = relerr(x, want)
+            worst = max(worst, err)
+            assert err < tol, (mode, *what, err)
 
         for step in range(STEPS):
             x, idx, target = _batch(step, world_size, device, dim, per_rank, S, K, window)
@@ -163,14 +233,20 @@ def train_and_compare(rank: int, world_size: int, device: str) -> None:
 
             calls, undo = _count_forward_calls(device)
             try:
+                _sync(device)
+                t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
                 y = model(x[mine], idx[mine])
                 assert y.dtype == bf16  # the bf16 compute really happened
                 loss = _loss(y, target[mine])
                 loss.backward()
+                _sync(device)
+                t_fwd_bwd = time.perf_counter() - t0
             finally:
                 undo()
-            # 2 layers: full checkpointing runs each layer's attention twice, SAC once.
+            # 2 layers: full checkpointing runs each layer's attention twice, SAC once
+            # (compiled too: the recompute is in the compiled backward, the SAC policy's
+            # MUST_SAVE holds under inductor).
             assert len(calls) == (4 if mode == "full" else 2), (mode, len(calls))
 
             ref_opt.zero_grad(set_to_none=True)
@@ -183,22 +259,41 @@ def train_and_compare(rank: int, world_size: int, device: str) -> None:
                 (ref_loss / world_size).backward(retain_graph=r < world_size - 1)
                 ref_losses.append(ref_loss.detach())
 
-            assert relerr(loss, ref_losses[rank]) < tol, (mode, step, rank)
+            check(loss, ref_losses[rank], "loss", step, rank)
             for name, p in model.named_parameters():
                 grad = p.grad.full_tensor()  # a collective: every rank, same order
-                ref_grad = ref_params[name].grad
+                ref_grad = ref_params[_ref_name(name)].grad
                 assert grad.dtype == torch.float32 and grad.shape == ref_grad.shape
-                assert relerr(grad, ref_grad) < tol, (mode, step, name, relerr(grad, ref_grad))
+                check(grad, ref_grad, "grad", step, name)
+            _sync(device)
+            t0 = time.perf_counter()
             opt.step()
+            _sync(device)
+            if step > 0:  # step 0 is the warm-up (and the compilation)
+                step_s.append(t_fwd_bwd + time.perf_counter() - t0)
             ref_opt.step()
+            if compile:
+                # Dynamo really compiled (a graph per layer), in step 0 only: FSDP2 swapping
+                # sharded and unsharded parameters between steps must not recompile.
+                graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+                if step == 0:
+                    graphs_after_warmup = graphs
+                    assert graphs >= 1, (mode, "nothing was compiled")
+                assert graphs == graphs_after_warmup, (mode, step, "recompiled", graphs)
 
         for name, p in model.named_parameters():
             full = p.full_tensor()
             assert full.dtype == torch.float32
-            assert relerr(full, ref_params[name]) < tol, (mode, name)
+            ref_p = ref_params[_ref_name(name)]
+            check(full, ref_p, "param", name)
             # Every parameter moved (the sink's gradient is small: compare bits, not a norm).
-            assert not torch.equal(ref_params[name], initial[name]), f"{name} did not train"
+            assert not torch.equal(ref_p, initial[_ref_name(name)]), f"{name} did not train"
+        # The slowest rank's mean step time (a collective, so every rank takes part).
+        mean_ms = torch.tensor(1e3 * sum(step_s) / len(step_s), dtype=torch.float64, device=device)
+        dist.all_reduce(mean_ms, op=dist.ReduceOp.MAX)
+        results[mode] = {"step_ms": mean_ms.item(), "max_relerr": worst}
         dist.barrier()
+    return results
 
 
 def _free_port() -> int:
@@ -207,27 +302,84 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _gloo_worker(rank: int, world_size: int, port: int) -> None:
+def _run_workers(worker, args, nprocs: int, timeout_s: float, what: str) -> None:
+    """Run ``worker(rank, *args)`` in ``nprocs`` spawned processes and wait for them.
+
+    A worker's exception fails the test at once with that worker's traceback (``join``
+    raises it and terminates the other workers); a hang fails it after ``timeout_s``.
+    Whatever happens, no worker outlives this call.
+    """
+    ctx = mp.spawn(worker, args=args, nprocs=nprocs, join=False)  # start method "spawn"
+    deadline = time.monotonic() + timeout_s
+    try:
+        # join() raises (with the worker's traceback) as soon as a worker fails.
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{what} workers did not finish within {timeout_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in ctx.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _gloo_worker(rank: int, world_size: int, port: int, compile: bool = False) -> None:
     torch.set_num_threads(1)  # two processes on a small CPU
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=120))
     try:
-        train_and_compare(rank, world_size, "cpu")
+        train_and_compare(rank, world_size, "cpu", compile=compile)
     finally:
         dist.destroy_process_group()
 
 
 def test_fsdp2_gloo_two_processes():
     world_size, port = 2, _free_port()
-    ctx = mp.spawn(_gloo_worker, args=(world_size, port), nprocs=world_size, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    # join() raises (with the worker's traceback) as soon as a worker fails.
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            pytest.fail(f"FSDP2 gloo workers did not finish within {TIMEOUT_S} s")
+    _run_workers(_gloo_worker, (world_size, port), world_size, TIMEOUT_S, "FSDP2 gloo")
+
+
+@pytest.mark.slow
+def test_fsdp2_gloo_two_processes_compiled():
+    """The layers under torch.compile (inductor's C++ backend): the code path of the
+    compiled NCCL test. About 25 s on 2 CPU cores with an empty inductor cache."""
+    world_size, port = 2, _free_port()
+    _run_workers(_gloo_worker, (world_size, port, True), world_size, TIMEOUT_S, "FSDP2 gloo compiled")
+
+
+def _nccl_worker(rank: int, world_size: int, port: int, compile: bool) -> None:
+    os.environ.update(NCCL_ENV)  # inherited from the parent already; before NCCL starts
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=120),
+                            device_id=torch.device("cuda", rank))
+    try:
+        results = train_and_compare(rank, world_size, "cuda", compile=compile)
+        torch.cuda.synchronize()
+        # Seen with pytest -s (or -rP); the full benchmark is benchmarks/fsdp_step_time.py.
+        for mode, r in results.items():
+            print(f"[rank {rank}] FSDP2 NCCL {world_size} GPUs compile={compile} AC={mode}: "
+                  f"mean step {r['step_ms']:.2f} ms (steps 2-{STEPS}, slowest rank), "
+                  f"max relerr {r['max_relerr']:.2e}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason=f"needs 2 CUDA GPUs (NCCL, one per process); found {torch.cuda.device_count()}")
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compile"])
+def test_fsdp2_nccl_two_processes(compile, monkeypatch):
+    """Two processes, one GPU each, NCCL: the batch split over the ranks matches one
+    reference model trained on the whole batch (in each process)."""
+    for k, v in NCCL_ENV.items():
+        monkeypatch.setenv(k, v)  # before spawning: the children inherit the environment
+    world_size, port = 2, _free_port()
+    _run_workers(_nccl_worker, (world_size, port, compile), world_size,
+                 TIMEOUT_COMPILE_S if compile else TIMEOUT_S, f"FSDP2 NCCL (compile={compile})")
 
 
 @pytest.mark.parametrize("backend", [
@@ -241,8 +393,8 @@ def test_fsdp2_one_process(backend, tmp_path, monkeypatch):
     kw = {}
     if backend == "nccl":
         # No NVLink SHARP / multicast on the lent machines.
-        monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
-        monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        for k, v in NCCL_ENV.items():
+            monkeypatch.setenv(k, v)
         torch.cuda.set_device(0)
         kw["device_id"] = torch.device("cuda", 0)
     dist.init_process_group(backend, init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1,
