@@ -23,27 +23,19 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from helpers import causal_indices
-from test_fsdp import NCCL_ENV, Model, _compile_layers, _loss
+from test_fsdp import NCCL_ENV, Model, _compile_layers, _free_port, _loss, run_workers
 
 # No NVLink SHARP / multicast on the lent machines: set here, so the spawned workers
 # inherit it, and again in each worker before NCCL starts.
 os.environ.update(NCCL_ENV)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, global_batch: int, a: dict, out: str) -> None:
@@ -115,22 +107,7 @@ def run(gpus: int, global_batch: int, a: dict, timeout_s: float) -> dict:
     and leaves none running."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        ctx = mp.spawn(_worker, args=(gpus, _free_port(), global_batch, a, out), nprocs=gpus,
-                       join=False)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=5):  # raises as soon as a worker fails
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{gpus}-GPU run did not finish within {timeout_s} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            for p in ctx.processes:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+        run_workers(_worker, (gpus, _free_port(), global_batch, a, out), gpus, timeout_s, f"{gpus}-GPU run")
         with open(out) as f:
             return json.load(f)
 

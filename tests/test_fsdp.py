@@ -302,12 +302,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_workers(worker, args, nprocs: int, timeout_s: float, what: str) -> None:
+def run_workers(worker, args, nprocs: int, timeout_s: float, what: str) -> None:
     """Run ``worker(rank, *args)`` in ``nprocs`` spawned processes and wait for them.
 
-    A worker's exception fails the test at once with that worker's traceback (``join``
-    raises it and terminates the other workers); a hang fails it after ``timeout_s``.
-    Whatever happens, no worker outlives this call.
+    A worker's exception is raised at once with that worker's traceback (``join``
+    raises it and terminates the other workers); a hang raises TimeoutError after
+    ``timeout_s``. Whatever happens, no worker outlives this call. (Also used by
+    benchmarks/fsdp_step_time.py.)
     """
     ctx = mp.spawn(worker, args=args, nprocs=nprocs, join=False)  # start method "spawn"
     deadline = time.monotonic() + timeout_s
@@ -315,7 +316,7 @@ def _run_workers(worker, args, nprocs: int, timeout_s: float, what: str) -> None
         # join() raises (with the worker's traceback) as soon as a worker fails.
         while not ctx.join(timeout=5):
             if time.monotonic() > deadline:
-                pytest.fail(f"{what} workers did not finish within {timeout_s} s")
+                raise TimeoutError(f"{what} workers did not finish within {timeout_s} s")
     finally:
         for p in ctx.processes:
             if p.is_alive():
@@ -339,7 +340,7 @@ def _gloo_worker(rank: int, world_size: int, port: int, compile: bool = False) -
 
 def test_fsdp2_gloo_two_processes():
     world_size, port = 2, _free_port()
-    _run_workers(_gloo_worker, (world_size, port), world_size, TIMEOUT_S, "FSDP2 gloo")
+    run_workers(_gloo_worker, (world_size, port), world_size, TIMEOUT_S, "FSDP2 gloo")
 
 
 @pytest.mark.slow
@@ -347,7 +348,7 @@ def test_fsdp2_gloo_two_processes_compiled():
     """The layers under torch.compile (inductor's C++ backend): the code path of the
     compiled NCCL test. About 25 s on 2 CPU cores with an empty inductor cache."""
     world_size, port = 2, _free_port()
-    _run_workers(_gloo_worker, (world_size, port, True), world_size, TIMEOUT_S, "FSDP2 gloo compiled")
+    run_workers(_gloo_worker, (world_size, port, True), world_size, TIMEOUT_S, "FSDP2 gloo compiled")
 
 
 def _nccl_worker(rank: int, world_size: int, port: int, compile: bool) -> None:
@@ -378,7 +379,7 @@ def test_fsdp2_nccl_two_processes(compile, monkeypatch):
     for k, v in NCCL_ENV.items():
         monkeypatch.setenv(k, v)  # before spawning: the children inherit the environment
     world_size, port = 2, _free_port()
-    _run_workers(_nccl_worker, (world_size, port, compile), world_size,
+    run_workers(_nccl_worker, (world_size, port, compile), world_size,
                  TIMEOUT_COMPILE_S if compile else TIMEOUT_S, f"FSDP2 NCCL (compile={compile})")
 
 

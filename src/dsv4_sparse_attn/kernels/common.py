@@ -8,7 +8,6 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 # Head dims the Triton kernels are written and tuned for (split into two D/2 halves).
 SUPPORTED_D = (64, 128, 256, 512)

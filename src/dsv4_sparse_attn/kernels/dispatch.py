@@ -12,7 +12,7 @@ from __future__ import annotations
 from .. import reference
 from . import backward as _bwd
 from . import forward as _fwd
-from .common import last_dim_contiguous, unsupported_reason, warn_once
+from .common import unsupported_reason, warn_once
 
 _deterministic = True
 _gluon_broken = False
@@ -69,7 +69,6 @@ def _gluon_forward(q, kv, indices, attn_sink, p):
 def forward(q, kv, indices, attn_sink, p):
     if _fallback("fwd", q, p.D):
         return reference.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale)
-    q, kv, indices = last_dim_contiguous(q), last_dim_contiguous(kv), last_dim_contiguous(indices)
     res = _gluon_forward(q, kv, indices, attn_sink, p)
     if res is not None:
         return res

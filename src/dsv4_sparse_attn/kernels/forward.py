@@ -17,15 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, interpreting, last_dim_contiguous, next_pow2, slot_rows
+from .common import LOG2E, interpreting, last_dim_contiguous, next_pow2, slot_rows
 
 # Values that change from call to call (sequence length, top-k, pool size) are never
 # specialised; the row strides of q, kv and out (multiples of D in practice) are, so
 # Triton can prove 16-byte alignment and vectorise the row gathers.
-_RUNTIME_INTS = ["T", "H", "N", "K", "stride_it", "stride_lt"]
+FWD_RUNTIME_INTS = ["T", "H", "N", "K", "stride_it", "stride_lt"]
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
+@triton.jit(do_not_specialize=FWD_RUNTIME_INTS)
 def _sparse_mla_fwd_kernel(
     Q, KV, IDX, SINK, OUT, LSE,
     T, H, N, K,
@@ -125,6 +125,27 @@ def forward_config(D: int, H: int) -> FwdConfig:
     return FwdConfig(block_h, 64, 4, 3)
 
 
+def prepare_forward(q, kv, indices, attn_sink, scale, out=None, lse=None):
+    """What the Triton and the Gluon forward launchers share: the outputs (allocated
+    unless given) and the kernel's leading arguments (pointers, sizes, strides, scale),
+    None when T == 0 (nothing to launch)."""
+    T, H, D = q.shape
+    if out is None:
+        out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse, None
+    q, kv, indices, attn_sink = (last_dim_contiguous(x) for x in (q, kv, indices, attn_sink))
+    sink = attn_sink if attn_sink is not None else lse  # dummy pointer when HAS_SINK is off
+    args = (q, kv, indices, sink, out, lse,
+            T, H, kv.shape[0], indices.shape[1],
+            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
+            lse.stride(0),
+            scale * LOG2E)
+    return out, lse, args
+
+
 def sparse_mla_fwd(q, kv, indices, attn_sink, scale, config: FwdConfig | None = None,
                    out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """Launch the forward. q [T,H,D], kv [N,D] (bf16/fp16), indices [T,K] int32/int64.
@@ -132,29 +153,17 @@ def sparse_mla_fwd(q, kv, indices, attn_sink, scale, config: FwdConfig | None = 
     ``out``/``lse`` may be given (contiguous; tests pass poisoned buffers to catch
     unwritten elements). CPU tensors run under the Triton interpreter (tests only).
     """
-    T, H, D = q.shape
-    N, K = kv.shape[0], indices.shape[1]
-    q, kv, indices = last_dim_contiguous(q), last_dim_contiguous(kv), last_dim_contiguous(indices)
-    attn_sink = last_dim_contiguous(attn_sink)
-    if out is None:
-        out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
-    if lse is None:
-        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
-    if T == 0:
+    out, lse, args = prepare_forward(q, kv, indices, attn_sink, scale, out, lse)
+    if args is None:
         return out, lse
+    T, H, D = q.shape
     cfg = config or forward_config(D, H)
-    sink = attn_sink if attn_sink is not None else lse  # dummy pointer when HAS_SINK is off
-    grid = (T, triton.cdiv(H, cfg.BLOCK_H))
-    _sparse_mla_fwd_kernel[grid](
-        q, kv, indices, sink, out, lse,
-        T, H, N, K,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-        lse.stride(0),
-        scale * LOG2E,
+    _sparse_mla_fwd_kernel[(T, triton.cdiv(H, cfg.BLOCK_H))](
+        *args,
         D=D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, HAS_SINK=attn_sink is not None,
         DOT_FP32=interpreting(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
 
-__all__ = ["sparse_mla_fwd", "forward_config", "FwdConfig", "LN2"]
+__all__ = ["sparse_mla_fwd", "prepare_forward", "forward_config", "FwdConfig", "FWD_RUNTIME_INTS"]

@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .common import LOG2E, last_dim_contiguous
+from .forward import FWD_RUNTIME_INTS, prepare_forward
 
 BLOCK_H = 64
 NUM_WARPS = 8
@@ -45,7 +45,7 @@ def _issue_kv_block(kv_buf, KV, idx_row, k0, K, N, stride_kvn, offs_r, offs_d):
     cp.async_copy_global_to_shared(kv_buf, ptrs, mask=valid[:, None])
 
 
-@gluon.jit(do_not_specialize=["T", "H", "N", "K", "stride_it", "stride_lt"])
+@gluon.jit(do_not_specialize=FWD_RUNTIME_INTS)
 def _sparse_mla_fwd_gluon_kernel(
     Q, KV, IDX, SINK, OUT, LSE,
     T, H, N, K,
@@ -173,25 +173,14 @@ def supported(q: torch.Tensor, D: int, H: int) -> bool:
 
 
 def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, BLOCK_K=64, STAGES=2):
+    """Launch the Gluon forward (same contract as ``forward.sparse_mla_fwd``)."""
     assert STAGES >= 2, "the ring needs two slots: one landing while the other is read"
-    T, H, D = q.shape
-    N, K = kv.shape[0], indices.shape[1]
-    if out is None:
-        out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
-    if lse is None:
-        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
-    if T == 0:
+    out, lse, args = prepare_forward(q, kv, indices, attn_sink, scale, out, lse)
+    if args is None:
         return out, lse
-    q, kv, indices = last_dim_contiguous(q), last_dim_contiguous(kv), last_dim_contiguous(indices)
-    attn_sink = last_dim_contiguous(attn_sink)
-    sink = attn_sink if attn_sink is not None else lse
-    grid = (T, triton.cdiv(H, BLOCK_H))
-    _sparse_mla_fwd_gluon_kernel[grid](
-        q, kv, indices, sink, out, lse,
-        T, H, N, K,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
-        lse.stride(0),
-        scale * LOG2E,
+    T, H, D = q.shape
+    _sparse_mla_fwd_gluon_kernel[(T, triton.cdiv(H, BLOCK_H))](
+        *args,
         D=D, BLOCK_K=BLOCK_K, STAGES=STAGES, HAS_SINK=attn_sink is not None,
         num_warps=NUM_WARPS,
     )
