@@ -94,6 +94,6 @@ def compile_backward(D: int, H: int, cfg=None, atomic=False, run_ptxas=True) -> 
 def compile_forward_gluon(block_k=64, stages=2, has_sink=True, run_ptxas=True) -> dict:
     from dsv4_sparse_attn.kernels import forward_gluon as G
 
-    consts = dict(D=512, BLOCK_K=block_k, STAGES=stages, HAS_SINK=has_sink)
+    consts = dict(D=512, BLOCK_K=block_k, STAGES=stages, HAS_SINK=has_sink, BENCH_GATHER=True)
     return compile_sm90(G._sparse_mla_fwd_gluon_kernel, FWD_TYPES, consts, G.NUM_WARPS, 1,
                         FWD_DIV16, run_ptxas)

@@ -35,10 +35,16 @@ NUM_WARPS = 8
 
 
 @gluon.jit
-def _issue_kv_block(kv_buf, KV, idx_row, k0, K, N, stride_kvn, offs_r, offs_d):
-    """Gather BLOCK_K kv rows (ids idx_row[k0:k0+BLOCK_K]) into one ring slot."""
-    offs_k = k0 + offs_r
-    ids = gl.load(idx_row + offs_k, mask=offs_k < K, other=-1).to(gl.int64)
+def _load_ids(idx_row, k0, K, offs):
+    """Ids of slots k0 + offs (-1 past K), in the layout of ``offs``."""
+    offs_k = k0 + offs
+    return gl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
+
+
+@gluon.jit
+def _issue_kv_block(kv_buf, KV, ids, N, stride_kvn, offs_d):
+    """Gather the kv rows ``ids`` (one per ring-slot row) into one ring slot."""
+    ids = ids.to(gl.int64)
     valid = (ids >= 0) & (ids < N)
     rows = gl.where(valid, ids, 0)  # masked ids never form an address
     ptrs = KV + rows[:, None] * stride_kvn + offs_d[None, :]
@@ -55,6 +61,7 @@ def _sparse_mla_fwd_gluon_kernel(
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,
     HAS_SINK: gl.constexpr,
+    BENCH_GATHER: gl.constexpr = True,
 ):
     BH: gl.constexpr = 64
     NW: gl.constexpr = 8
@@ -89,18 +96,24 @@ def _sparse_mla_fwd_gluon_kernel(
 
     idx_row = IDX + pid_t * stride_it
     for i in gl.static_range(STAGES - 1):
-        _issue_kv_block(kv_smem.index(i), KV, idx_row, i * BLOCK_K, K, N, stride_kvn, offs_r, offs_d)
+        _issue_kv_block(kv_smem.index(i), KV, _load_ids(idx_row, i * BLOCK_K, K, offs_r), N, stride_kvn,
+                        offs_d)
         cp.commit_group()
+    # Ids are loaded one block ahead of their use, so that no global-load latency sits
+    # between a barrier and the gather it feeds, or between S and the softmax.
+    ids_gather = _load_ids(idx_row, (STAGES - 1) * BLOCK_K, K, offs_r)
+    offs_c = gl.arange(0, BLOCK_K, layout=col_l)
+    ids_soft = _load_ids(idx_row, 0, K, offs_c)
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([BH], gl.float32, layout=row_l)
     acc = gl.zeros([BH, D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BH, BLOCK_K], gl.float32, layout=s_layout)
-    offs_c = gl.arange(0, BLOCK_K, layout=col_l)
 
     n_blocks = gl.cdiv(K, BLOCK_K)
     for j in range(0, n_blocks):
         stage = j % STAGES
+        kv_buf = kv_smem.index(stage)
         # Block j has landed (this thread's copies); make every thread's copies
         # visible to the tensor cores, and make sure block j-1's wgmmas are done in
         # both warp groups before its ring slot is refilled.
@@ -108,16 +121,16 @@ def _sparse_mla_fwd_gluon_kernel(
         fence_async_shared()
         gl.thread_barrier()
         nxt = j + STAGES - 1
-        _issue_kv_block(kv_smem.index(nxt % STAGES), KV, idx_row, nxt * BLOCK_K, K, N, stride_kvn,
-                        offs_r, offs_d)
+        if BENCH_GATHER:  # (False: a benchmark diagnostic, the loop timed without gathers)
+            _issue_kv_block(kv_smem.index(nxt % STAGES), KV, ids_gather, N, stride_kvn, offs_d)
         cp.commit_group()
+        ids_gather = _load_ids(idx_row, (nxt + 1) * BLOCK_K, K, offs_r)
 
-        kv_buf = kv_smem.index(stage)
         s = warpgroup_mma(q_smem, kv_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        ids = ids_soft
+        ids_soft = _load_ids(idx_row, (j + 1) * BLOCK_K, K, offs_c)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
-        offs_k = j * BLOCK_K + offs_c
-        ids = gl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
         valid = (ids >= 0) & (ids < N)
         s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -172,7 +185,8 @@ def supported(q: torch.Tensor, D: int, H: int) -> bool:
             and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device()))
 
 
-def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, BLOCK_K=64, STAGES=2):
+def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, BLOCK_K=64, STAGES=2,
+                   **variant):
     """Launch the Gluon forward (same contract as ``forward.sparse_mla_fwd``)."""
     assert STAGES >= 2, "the ring needs two slots: one landing while the other is read"
     out, lse, args = prepare_forward(q, kv, indices, attn_sink, scale, out, lse)
@@ -182,6 +196,6 @@ def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, BLOCK_K
     _sparse_mla_fwd_gluon_kernel[(T, triton.cdiv(H, BLOCK_H))](
         *args,
         D=D, BLOCK_K=BLOCK_K, STAGES=STAGES, HAS_SINK=attn_sink is not None,
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS, **variant,
     )
     return out, lse
