@@ -5,6 +5,7 @@ launch, runs the Triton launcher directly and compares with the float64 referenc
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,10 @@ def make_indices(c: Case, device) -> torch.Tensor:
 
 
 def make_case(c: Case, device, requires_grad=False):
+    # Seeded per case: a failure reproduces. (fp16 with sink +-30 puts P near the fp16
+    # underflow, where some draws land at the edge of the tolerance.)
+    torch.manual_seed(zlib.crc32(str(c).encode()))
+
     def noncontig(x):  # a strided view with the same values (every other row of a 2x tensor)
         if not c.noncontig:
             return x
@@ -131,3 +136,4 @@ def check_backward(c: Case, device, deterministic=True, with_dlse=True):
     if c.ids == "empty_rows":
         assert torch.all(gq[::2] == 0), "empty rows must give zero grad_q"
     return errs
+
