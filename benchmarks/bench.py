@@ -12,6 +12,7 @@ memory allocated during the call beyond its inputs and outputs.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -104,7 +105,7 @@ def run_shape(T, H, K, D, label, with_torch=True, dev="cuda"):
         del go, gl_
 
     do, dl = torch.randn_like(out), torch.randn_like(lse)
-    for det in (True, False):
+    for det in (True, False):  # deterministic: the fixed-point default; else fp32 atomics
         tag = "bwd" if det else "bwd_atomic"
         bwd = lambda: kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, scale, deterministic=det)
         g = bwd()
@@ -156,26 +157,33 @@ def sweep(T, D, dev="cuda", which="all"):
                 r = dict(kind="fwd", H=H, K=K, cfg=tuple(cfg), error=str(e)[:120])
             print(r, flush=True)
             res.append(r)
-        for bk, st in ((64, 2), (32, 2), (32, 3), (32, 4)) if which in ("all", "gluon") else ():
+        gluon_variants = (((64, 2), {}), ((64, 2), dict(BENCH_GATHER=False)))  # the last: diagnostic only
+        ref_o = forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)[0].float()
+        for (bk, st), var in gluon_variants if which in ("all", "gluon", "gluon+bwd") else ():
             try:
-                ms = bench(lambda: forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, BLOCK_K=bk,
-                                                                STAGES=st), rep=100)
-                r = dict(kind="gluon_fwd", H=H, K=K, cfg=(bk, st), ms=ms, tflops=4 * T * H * K * D / ms * 1e-9)
+                f = lambda: forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, BLOCK_K=bk, STAGES=st, **var)
+                err = ((f()[0].float() - ref_o).norm() / ref_o.norm()).item()
+                ms = bench(f, rep=100)
+                r = dict(kind="gluon_fwd", H=H, K=K, cfg=(bk, st), variant=var, ms=ms,
+                         tflops=4 * T * H * K * D / ms * 1e-9, err_vs_default=err)
             except Exception as e:
-                r = dict(kind="gluon_fwd", H=H, K=K, cfg=(bk, st), error=str(e)[:120])
+                r = dict(kind="gluon_fwd", H=H, K=K, cfg=(bk, st), variant=var, error=str(e)[:200])
             print(r, flush=True)
             res.append(r)
-        bwd_cfgs = (kbwd.BwdConfig(64, 64, 8, 1), kbwd.BwdConfig(64, 32, 8, 2), kbwd.BwdConfig(64, 32, 8, 3),
-                    kbwd.BwdConfig(64, 16, 8, 3))
-        for cfg in bwd_cfgs if which in ("all", "bwd") else ():
-            for det in (False, True):
+        bwd_cfgs = (kbwd.BwdConfig(64, 64, 8, 1), kbwd.BwdConfig(64, 32, 8, 2))
+        budgets = (512 * 2**20, kbwd.PARTIAL_BYTES)  # the deterministic buffer: old and current bound
+        for cfg, budget in itertools.product(bwd_cfgs, budgets) if which in ("all", "bwd", "gluon+bwd") else ():
+            for det in (True, False) if budget == budgets[-1] else (True,):
+                kbwd.PARTIAL_BYTES, saved = budget, kbwd.PARTIAL_BYTES
                 try:
                     ms = bench(lambda: kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, D ** -0.5,
                                                            deterministic=det, config=cfg), rep=100)
                     r = dict(kind="bwd" if det else "bwd_atomic", H=H, K=K, cfg=tuple(cfg), ms=ms,
-                             tflops=10 * T * H * K * D / ms * 1e-9)
+                             partial_mib=budget >> 20, tflops=10 * T * H * K * D / ms * 1e-9)
                 except Exception as e:
-                    r = dict(kind="bwd", H=H, K=K, cfg=tuple(cfg), error=str(e)[:120])
+                    r = dict(kind="bwd", H=H, K=K, cfg=tuple(cfg), error=str(e)[:200])
+                finally:
+                    kbwd.PARTIAL_BYTES = saved
                 print(r, flush=True)
                 res.append(r)
     return res
@@ -204,7 +212,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--D", type=int, default=512)
-    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "gluon", "bwd"])
+    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "gluon", "bwd", "gluon+bwd"])
     ap.add_argument("--shapes", default="all", help="'all' or comma-separated row numbers, e.g. 0,1")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--out")
