@@ -34,6 +34,7 @@ CASES = [
     Case(8, 64, 512, 100, 96, ids="dup"),
     Case(8, 64, 512, 100, 96, ids="extreme", idx_dtype=I32),
     Case(8, 64, 512, 100, 96, ids="extreme", idx_dtype=I64),
+    Case(8, 64, 512, 40000, 96, ids="extreme", idx_dtype=I64),  # N >= 2**15: int32 sort keys
     Case(64, 64, 512, 100, 80, ids="shared"),
     # sinks, dtypes, layouts
     Case(8, 64, 512, 100, 96, sink_scale=30.0),

@@ -294,14 +294,17 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             if dev.type == "cuda" else 0
         chunk = chunk_tokens(T, n_hb, K, D, PARTIAL_BYTES, n_sm)
         partial = torch.empty((chunk, n_hb, K, D), dtype=torch.float32, device=dev)
-        rows = torch.arange(N + 1, device=dev)
+        # Sort keys as narrow as N allows: the radix sort makes one pass per key byte
+        # (int64 keys: 8 passes, int16: 2).
+        key_dtype = torch.int16 if N < 2**15 - 1 else torch.int32 if N < 2**31 - 1 else torch.int64
+        rows = torch.arange(N + 1, device=dev, dtype=key_dtype)
         block_d = min(D, 256)
         for t0 in range(0, T, chunk):
             n_tok = min(chunk, T - t0)
             launch(t0, n_tok, partial)
             # Invert the chunk's ids: entries sorted by kv row (stable: fixed order).
-            ids = indices[t0:t0 + n_tok].reshape(-1).long()
-            ids = torch.where((ids >= 0) & (ids < N), ids, N)
+            ids = indices[t0:t0 + n_tok].reshape(-1)
+            ids = torch.where((ids >= 0) & (ids < N), ids, N).to(key_dtype)
             sorted_ids, order = torch.sort(ids, stable=True)
             seg = torch.searchsorted(sorted_ids, rows)
             _dkv_reduce_kernel[(N, D // block_d)](
