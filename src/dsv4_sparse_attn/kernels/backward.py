@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, interpreting, last_dim_contiguous, next_pow2, slot_rows
+from .common import LOG2E, interpreting, last_dim_contiguous, load_tile, next_pow2, slot_rows
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
 # of the backward is this plus O(T*H + N*D) fp32): under the 1 GiB the backward may
@@ -56,14 +56,6 @@ def _bwd_delta_kernel(
 # As in the forward: sizes and the index/lse strides are runtime values; the row
 # strides of q, kv, dO and dQ are specialised so row gathers vectorise.
 _MAIN_RUNTIME_INTS = ["T", "H", "N", "K", "t_begin", "stride_it", "stride_lt"]
-
-
-@triton.jit
-def _load_tile(ptr, mask, DOT_FP32: tl.constexpr):
-    x = tl.load(ptr, mask=mask, other=0.0)
-    if DOT_FP32:  # the interpreter mis-computes bf16 dots (DESIGN.md section 5)
-        x = x.to(tl.float32)
-    return x
 
 
 @triton.jit
@@ -108,15 +100,15 @@ def _bwd_main_kernel(
     h64 = offs_h[:, None].to(tl.int64)
 
     q_ptr = Q + pid_t * stride_qt + h64 * stride_qh + offs_d
-    q0 = _load_tile(q_ptr, hm, DOT_FP32)
-    q1 = _load_tile(q_ptr + QD, hm, DOT_FP32)
-    q2 = _load_tile(q_ptr + 2 * QD, hm, DOT_FP32)
-    q3 = _load_tile(q_ptr + 3 * QD, hm, DOT_FP32)
+    q0 = load_tile(q_ptr, hm, DOT_FP32)
+    q1 = load_tile(q_ptr + QD, hm, DOT_FP32)
+    q2 = load_tile(q_ptr + 2 * QD, hm, DOT_FP32)
+    q3 = load_tile(q_ptr + 3 * QD, hm, DOT_FP32)
     do_ptr = DO + pid_t * stride_dt + h64 * stride_dh + offs_d
-    do0 = _load_tile(do_ptr, hm, DOT_FP32)
-    do1 = _load_tile(do_ptr + QD, hm, DOT_FP32)
-    do2 = _load_tile(do_ptr + 2 * QD, hm, DOT_FP32)
-    do3 = _load_tile(do_ptr + 3 * QD, hm, DOT_FP32)
+    do0 = load_tile(do_ptr, hm, DOT_FP32)
+    do1 = load_tile(do_ptr + QD, hm, DOT_FP32)
+    do2 = load_tile(do_ptr + 2 * QD, hm, DOT_FP32)
+    do3 = load_tile(do_ptr + 3 * QD, hm, DOT_FP32)
     lse = tl.load(LSE + pid_t * stride_lt + offs_h, mask=h_mask, other=float("inf"))
     # Rows with lse = -inf (no valid slot, no sink) have P = 0 everywhere.
     row_ok = h_mask & (lse > float("-inf"))
@@ -133,10 +125,10 @@ def _bwd_main_kernel(
         valid, rows = slot_rows(idx_row, offs_k, K, N)
         vm = valid[:, None]
         kv_ptr = KV + rows[:, None] * stride_kvn + offs_d
-        kv0 = _load_tile(kv_ptr, vm, DOT_FP32)
-        kv1 = _load_tile(kv_ptr + QD, vm, DOT_FP32)
-        kv2 = _load_tile(kv_ptr + 2 * QD, vm, DOT_FP32)
-        kv3 = _load_tile(kv_ptr + 3 * QD, vm, DOT_FP32)
+        kv0 = load_tile(kv_ptr, vm, DOT_FP32)
+        kv1 = load_tile(kv_ptr + QD, vm, DOT_FP32)
+        kv2 = load_tile(kv_ptr + 2 * QD, vm, DOT_FP32)
+        kv3 = load_tile(kv_ptr + 3 * QD, vm, DOT_FP32)
 
         s = tl.dot(q0, tl.trans(kv0))
         s = tl.dot(q1, tl.trans(kv1), s)

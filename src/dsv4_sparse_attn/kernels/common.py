@@ -67,3 +67,13 @@ def slot_rows(idx_row, offs_k, K, N):
     ids = tl.load(idx_row + offs_k, mask=offs_k < K, other=-1).to(tl.int64)
     valid = (ids >= 0) & (ids < N)
     return valid, tl.where(valid, ids, 0)
+
+
+@triton.jit
+def load_tile(ptr, mask, DOT_FP32: tl.constexpr):
+    """A masked tile load (0 where masked), as fp32 when DOT_FP32 is set: the
+    interpreter mis-computes bf16 dots (DESIGN.md section 5)."""
+    x = tl.load(ptr, mask=mask, other=0.0)
+    if DOT_FP32:
+        x = x.to(tl.float32)
+    return x

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, interpreting, last_dim_contiguous, next_pow2, slot_rows
+from .common import LOG2E, interpreting, last_dim_contiguous, load_tile, next_pow2, slot_rows
 
 # Values that change from call to call (sequence length, top-k, pool size) are never
 # specialised; the row strides of q, kv and out (multiples of D in practice) are, so
@@ -46,11 +46,8 @@ def _sparse_mla_fwd_kernel(
     offs_d = tl.arange(0, HALF)
 
     q_ptr = Q + pid_t * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
-    q0 = tl.load(q_ptr, mask=h_mask[:, None], other=0.0)
-    q1 = tl.load(q_ptr + HALF, mask=h_mask[:, None], other=0.0)
-    if DOT_FP32:  # the interpreter mis-computes bf16 dots (DESIGN.md section 5)
-        q0 = q0.to(tl.float32)
-        q1 = q1.to(tl.float32)
+    q0 = load_tile(q_ptr, h_mask[:, None], DOT_FP32)
+    q1 = load_tile(q_ptr + HALF, h_mask[:, None], DOT_FP32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -62,11 +59,8 @@ def _sparse_mla_fwd_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         valid, rows = slot_rows(idx_row, offs_k, K, N)
         kv_ptr = KV + rows[:, None] * stride_kvn + offs_d[None, :]
-        kv0 = tl.load(kv_ptr, mask=valid[:, None], other=0.0)
-        kv1 = tl.load(kv_ptr + HALF, mask=valid[:, None], other=0.0)
-        if DOT_FP32:
-            kv0 = kv0.to(tl.float32)
-            kv1 = kv1.to(tl.float32)
+        kv0 = load_tile(kv_ptr, valid[:, None], DOT_FP32)
+        kv1 = load_tile(kv_ptr + HALF, valid[:, None], DOT_FP32)
 
         s = tl.dot(q0, tl.trans(kv0))
         s = tl.dot(q1, tl.trans(kv1), s)
