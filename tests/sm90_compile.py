@@ -27,7 +27,10 @@ def _ptxas() -> str | None:
 
 def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stages: int,
                  div16=(), run_ptxas: bool = True) -> dict:
-    """``types``: arg name -> Triton type ("*bf16", "i32", "fp32"); ints default to i32."""
+    """``types``: arg name -> Triton type ("*bf16", "i32", "fp32"); ints default to i32.
+    Constexpr parameters left out of ``constexprs`` take their default, as at a launch."""
+    constexprs = {**{p.name: p.default for p in jit_fn.params if p.is_constexpr and p.has_default},
+                  **constexprs}
     names = jit_fn.arg_names
     sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in names}
     attrs = {}
@@ -94,6 +97,6 @@ def compile_backward(D: int, H: int, cfg=None, atomic=False, run_ptxas=True) -> 
 def compile_forward_gluon(block_k=64, stages=2, has_sink=True, run_ptxas=True) -> dict:
     from dsv4_sparse_attn.kernels import forward_gluon as G
 
-    consts = dict(D=512, BLOCK_K=block_k, STAGES=stages, HAS_SINK=has_sink, BENCH_GATHER=True)
+    consts = dict(D=512, BLOCK_K=block_k, STAGES=stages, HAS_SINK=has_sink)
     return compile_sm90(G._sparse_mla_fwd_gluon_kernel, FWD_TYPES, consts, G.NUM_WARPS, 1,
                         FWD_DIV16, run_ptxas)
