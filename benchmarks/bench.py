@@ -46,6 +46,17 @@ def deepseek_indices(T, K, n_pool, device, window=128):
     return torch.cat([win, pool], 1).to(torch.int32)
 
 
+def make_inputs(T, H, K, D, dev="cuda"):
+    """q, kv, idx, sink of the benchmark (seed 0): T raw kv rows, then a pool of T/4."""
+    torch.manual_seed(0)
+    n_pool = T // 4
+    q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(T + n_pool, D, device=dev, dtype=torch.bfloat16)
+    idx = deepseek_indices(T, K, n_pool, dev)
+    sink = torch.randn(H, device=dev)
+    return q, kv, idx, sink
+
+
 def torch_sparse_mla(q, kv, idx, sink, scale):
     """Plain PyTorch: gather the rows, bf16 matmuls, fp32 softmax with the sink. Autograd-able."""
     valid = (idx >= 0) & (idx < kv.shape[0])
@@ -79,13 +90,7 @@ def nbytes(*ts):
 
 
 def run_shape(T, H, K, D, label, with_torch=True, dev="cuda"):
-    torch.manual_seed(0)
-    n_pool = T // 4
-    N = T + n_pool
-    q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
-    kv = torch.randn(N, D, device=dev, dtype=torch.bfloat16)
-    idx = deepseek_indices(T, K, n_pool, dev)
-    sink = torch.randn(H, device=dev)
+    q, kv, idx, sink = make_inputs(T, H, K, D, dev)
     scale = D ** -0.5
     fl_f, fl_b = 4 * T * H * K * D, 10 * T * H * K * D
     row = dict(label=label, T=T, H=H, K=K, D=D)
@@ -140,11 +145,7 @@ def sweep(T, D, dev="cuda", which="all"):
     """Time candidate block configurations on two shapes (prints; winners go in code)."""
     res = []
     for H, K in ((128, 1152), (64, 640)):
-        n_pool = T // 4
-        q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
-        kv = torch.randn(T + n_pool, D, device=dev, dtype=torch.bfloat16)
-        idx = deepseek_indices(T, K, n_pool, dev)
-        sink = torch.randn(H, device=dev)
+        q, kv, idx, sink = make_inputs(T, H, K, D, dev)
         out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
         do, dl = torch.randn_like(out), torch.randn_like(lse)
         triton_fwd_cfgs = (kfwd.FwdConfig(64, 64, 8, 1), kfwd.FwdConfig(64, 64, 8, 2), kfwd.FwdConfig(64, 32, 8, 2),
@@ -158,8 +159,10 @@ def sweep(T, D, dev="cuda", which="all"):
             print(r, flush=True)
             res.append(r)
         gluon_variants = (((64, 2), {}), ((64, 2), dict(BENCH_GATHER=False)))  # the last: diagnostic only
-        ref_o = forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)[0].float()
+        ref_o = None
         for (bk, st), var in gluon_variants if which in ("all", "gluon", "gluon+bwd") else ():
+            if ref_o is None:
+                ref_o = forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)[0].float()
             try:
                 f = lambda: forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, BLOCK_K=bk, STAGES=st, **var)
                 err = ((f()[0].float() - ref_o).norm() / ref_o.norm()).item()

@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench import SHAPES, deepseek_indices  # noqa: E402
+from bench import SHAPES, make_inputs  # noqa: E402
 from dsv4_sparse_attn.kernels import backward as kbwd  # noqa: E402
 from dsv4_sparse_attn.kernels import forward as kfwd  # noqa: E402
 
@@ -28,11 +28,7 @@ def main():
     T, D = a.T, 512
     for i in a.shapes.split(","):
         H, K, label = SHAPES[int(i)]
-        torch.manual_seed(0)
-        q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
-        kv = torch.randn(T + T // 4, D, device="cuda", dtype=torch.bfloat16)
-        idx = deepseek_indices(T, K, T // 4, "cuda")
-        sink = torch.randn(H, device="cuda")
+        q, kv, idx, sink = make_inputs(T, H, K, D)
         out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
         do, dl = torch.randn_like(out), torch.randn_like(lse)
         for det in (True, False):
