@@ -88,6 +88,18 @@ def _forward_inputs(shape, dtype, sink, idx_dtype, kv3d, device, gen):
     return [None if x is None else x.to(device) for x in (q, kv, idx, s)]
 
 
+def _cycled_axes(i: int, kv3d_every: int):
+    """Axes the sample matrix cycles through rather than crosses: shape, index dtype,
+    scale, 3-d kv; and the part of the sample name that spells them."""
+    shape = SHAPES[i % len(SHAPES)]
+    idx_dtype = (torch.int32, torch.int64)[i % 2]
+    scale = (None, 0.3)[(i // 2) % 2]
+    kv3d = i % kv3d_every == 0
+    axes = (f"T{shape[0]}H{shape[1]}D{shape[2]}N{shape[3]}K{shape[4]}-{_dtype_name(idx_dtype)}"
+            f"-scale{scale}{'-kv3d' if kv3d else ''}")
+    return shape, idx_dtype, scale, kv3d, axes
+
+
 def samples(device: str = "cpu") -> List[Sample]:
     """The sample matrix on ``device`` (fresh tensors each call, seeded per sample name)."""
     out: List[Sample] = []
@@ -100,15 +112,8 @@ def samples(device: str = "cpu") -> List[Sample]:
     for op, dtype, sink, rg in itertools.product(
         ("sparse_mla", "sparse_mla_fwd"), DTYPES, (True, False), (True, False)
     ):
-        i = next(cycle)
-        shape = SHAPES[i % len(SHAPES)]
-        idx_dtype = (torch.int32, torch.int64)[i % 2]
-        scale = (None, 0.3)[(i // 2) % 2]
-        kv3d = i % 5 == 0
-        name = (
-            f"{op}-{_dtype_name(dtype)}-sink{int(sink)}-grad{int(rg)}-T{shape[0]}H{shape[1]}D{shape[2]}"
-            f"N{shape[3]}K{shape[4]}-{_dtype_name(idx_dtype)}-scale{scale}{'-kv3d' if kv3d else ''}"
-        )
+        shape, idx_dtype, scale, kv3d, axes = _cycled_axes(next(cycle), kv3d_every=5)
+        name = f"{op}-{_dtype_name(dtype)}-sink{int(sink)}-grad{int(rg)}-{axes}"
         q, kv, idx, s = _forward_inputs(shape, dtype, sink, idx_dtype, kv3d, device, gen_for(name))
         if rg:
             for x in (q, kv, s):
@@ -130,16 +135,8 @@ def samples(device: str = "cpu") -> List[Sample]:
 
     # backward op: dtype x sink x grad_lse, other axes cycled; nothing requires grad
     for dtype, sink, with_dlse in itertools.product(DTYPES, (True, False), (True, False)):
-        i = next(cycle)
-        shape = SHAPES[i % len(SHAPES)]
-        idx_dtype = (torch.int32, torch.int64)[i % 2]
-        scale = (None, 0.3)[(i // 2) % 2]
-        kv3d = i % 3 == 0
-        name = (
-            f"sparse_mla_bwd-{_dtype_name(dtype)}-sink{int(sink)}-dlse{int(with_dlse)}-T{shape[0]}"
-            f"H{shape[1]}D{shape[2]}N{shape[3]}K{shape[4]}-{_dtype_name(idx_dtype)}-scale{scale}"
-            f"{'-kv3d' if kv3d else ''}"
-        )
+        shape, idx_dtype, scale, kv3d, axes = _cycled_axes(next(cycle), kv3d_every=3)
+        name = f"sparse_mla_bwd-{_dtype_name(dtype)}-sink{int(sink)}-dlse{int(with_dlse)}-{axes}"
         gen = gen_for(name)
         q, kv, idx, s = _forward_inputs(shape, dtype, sink, idx_dtype, kv3d, device, gen)
         o, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, s, scale)
