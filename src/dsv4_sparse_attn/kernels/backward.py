@@ -17,7 +17,6 @@ The chunk of tokens bounds the buffer (``PARTIAL_BYTES``) whatever T is.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -25,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, interpreting, last_dim_contiguous, load_tile, next_pow2, slot_rows
+from .common import (LOG2E, cuda_properties, interpreting, last_dim_contiguous, load_tile, next_pow2,
+                     slot_rows)
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
 # of the backward is this plus O(T*H + N*D) fp32): under the 1 GiB the backward may
@@ -232,10 +232,6 @@ def chunk_tokens(T: int, n_hb: int, K: int, D: int, budget: int, n_sm: int = 0) 
     return chunk
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
 
 def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scale,
                    deterministic: bool = True, config: BwdConfig | None = None,
@@ -282,8 +278,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     if T > 0 and not deterministic:
         launch(0, T, None)
     elif T > 0:
-        n_sm = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) \
-            if dev.type == "cuda" else 0
+        n_sm = cuda_properties(dev).multi_processor_count if dev.type == "cuda" else 0
         chunk = chunk_tokens(T, n_hb, K, D, PARTIAL_BYTES, n_sm)
         partial = torch.empty((chunk, n_hb, K, D), dtype=torch.float32, device=dev)
         # Sort keys as narrow as N allows: the radix sort makes one pass per key byte

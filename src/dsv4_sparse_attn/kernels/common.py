@@ -1,6 +1,7 @@
 """Helpers shared by the kernel launchers: interpreter switch, one-time warnings, limits."""
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -51,6 +52,16 @@ def last_dim_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
     if x is None or x.stride(-1) == 1 or x.numel() == 0:
         return x
     return x.contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def cuda_properties(device: torch.device):
+    """The properties of a CUDA device (cached: launchers ask on every call)."""
+    return _cuda_properties(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def next_pow2(n: int) -> int:

@@ -15,8 +15,6 @@ kernel is tested on the GPU (tests/test_kernels_gpu.py) and compiled for sm_90 i
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -28,6 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .common import cuda_properties
 from .forward import FWD_RUNTIME_INTS, prepare_forward
 
 BLOCK_H = 64
@@ -173,16 +172,13 @@ def _sparse_mla_fwd_gluon_kernel(
     gl.store(o_ptrs, out.to(dtype), mask=(h_o < H)[:, None])
 
 
-@functools.lru_cache(maxsize=None)
-def _is_sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
-
-
 def supported(q: torch.Tensor, D: int, H: int) -> bool:
     """The Gluon kernel takes bf16/fp16 CUDA tensors on sm_90, D = 512 and H >= 64
     (below 64 heads a 64-row wgmma block is mostly padding; the Triton kernel is used)."""
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and D == 512 and H >= 64
-            and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device()))
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and D == 512 and H >= 64):
+        return False
+    props = cuda_properties(q.device)
+    return (props.major, props.minor) == (9, 0)
 
 
 def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, BLOCK_K=64, STAGES=2,
