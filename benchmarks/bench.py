@@ -164,7 +164,8 @@ def sweep(T, D, dev="cuda", which="all"):
             if ref_o is None:
                 ref_o = forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)[0].float()
             try:
-                f = lambda: forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, BLOCK_K=bk, STAGES=st, **var)
+                f = lambda: forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, BLOCK_K=bk, STAGES=st,
+                                                         **var)
                 err = ((f()[0].float() - ref_o).norm() / ref_o.norm()).item()
                 ms = bench(f, rep=100)
                 r = dict(kind="gluon_fwd", H=H, K=K, cfg=(bk, st), variant=var, ms=ms,
@@ -175,7 +176,8 @@ def sweep(T, D, dev="cuda", which="all"):
             res.append(r)
         bwd_cfgs = (kbwd.BwdConfig(64, 64, 8, 1), kbwd.BwdConfig(64, 32, 8, 2))
         budgets = (512 * 2**20, kbwd.PARTIAL_BYTES)  # the deterministic buffer: old and current bound
-        for cfg, budget in itertools.product(bwd_cfgs, budgets) if which in ("all", "bwd", "gluon+bwd") else ():
+        sweep_bwd = which in ("all", "bwd", "gluon+bwd")
+        for cfg, budget in itertools.product(bwd_cfgs, budgets) if sweep_bwd else ():
             for det in (True, False) if budget == budgets[-1] else (True,):
                 kbwd.PARTIAL_BYTES, saved = budget, kbwd.PARTIAL_BYTES
                 try:

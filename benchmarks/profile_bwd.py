@@ -32,7 +32,8 @@ def main():
         out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
         do, dl = torch.randn_like(out), torch.randn_like(lse)
         for det in (True, False):
-            run = lambda: kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, D ** -0.5, deterministic=det)
+            run = lambda: kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, D ** -0.5,
+                                              deterministic=det)
             run()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
