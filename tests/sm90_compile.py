@@ -26,7 +26,7 @@ def _ptxas() -> str | None:
 
 
 def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stages: int,
-                 div16=(), run_ptxas: bool = True) -> dict:
+                 div16=(), run_ptxas: bool = True, maxnreg: int | None = None) -> dict:
     """``types``: arg name -> Triton type ("*bf16", "i32", "fp32"); ints default to i32.
     Constexpr parameters left out of ``constexprs`` take their default, as at a launch."""
     constexprs = {**{p.name: p.default for p in jit_fn.params if p.is_constexpr and p.has_default},
@@ -43,7 +43,10 @@ def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stag
     if getattr(jit_fn, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource as src_cls
     src = src_cls(jit_fn, sig, constexprs, attrs)
-    k = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    k = triton.compile(src, target=TARGET, options=options)
     ptx = k.asm["ptx"]
     res = dict(
         shared=k.metadata.shared,
@@ -94,9 +97,9 @@ def compile_backward(D: int, H: int, cfg=None, atomic=False, run_ptxas=True) -> 
                         BWD_DIV16, run_ptxas)
 
 
-def compile_forward_gluon(block_k=64, stages=2, has_sink=True, run_ptxas=True) -> dict:
+def compile_forward_gluon(has_sink=True, run_ptxas=True) -> dict:
     from dsv4_sparse_attn.kernels import forward_gluon as G
 
-    consts = dict(D=512, BLOCK_K=block_k, STAGES=stages, HAS_SINK=has_sink)
+    consts = dict(D=512, HAS_SINK=has_sink)
     return compile_sm90(G._sparse_mla_fwd_gluon_kernel, FWD_TYPES, consts, G.NUM_WARPS, 1,
-                        FWD_DIV16, run_ptxas)
+                        FWD_DIV16, run_ptxas, maxnreg=G.MAXNREG)

@@ -55,6 +55,10 @@ GLUON_CASES = [c for c in CASES if c.D == 512 and c.H >= 64] + [
     Case(3, 192, 512, 100, 200, ids="deepseek"),   # three head blocks
     Case(2, 100, 512, 60, 1),                      # K = 1, a partial head block
     Case(5, 64, 512, 2000, 1000, ids="deepseek", sink=False),
+    # more tiles than SMs: the persistent kernel's programs walk several tiles each
+    Case(300, 128, 512, 700, 300, ids="deepseek"),
+    Case(400, 64, 512, 500, 1, sink=False),
+    Case(400, 64, 512, 50, 0),  # K = 0: every row empty, tiles must still hand q over
 ]
 
 

@@ -1,17 +1,27 @@
-"""Gluon forward kernel of sparse MLA for Hopper (sm_90): explicit layouts and pipeline.
+"""Gluon forward of sparse MLA for Hopper (sm_90), D = 512: warp-specialised, persistent.
 
-Same math and contract as ``forward.py`` (the Triton kernel), written in Gluon to
-control what plain Triton decides on its own:
+Same math and contract as ``forward.py`` (the Triton kernel). One program per SM walks
+the (token, 64-head block) tiles. Three partitions of one warp group each:
 
-- S = Q KV^T is split across the two warp groups by slot columns (warps [4, 2]);
-  Triton's chained-dot rule instead makes both warp groups compute the whole S.
-- P goes through shared memory as the A operand of the PV wgmma, so each warp group
-  owns half of D of the [64, 512] fp32 accumulator (128 registers a thread).
-- KV rows are gathered with cp.async (16-byte chunks, zero-filled when masked) into
-  a STAGES-deep shared ring, the next block's gather overlapping this block's math.
+- the producer loads each tile's q, then gathers the kv rows of every 64-slot block
+  with cp.async into two ring buffers, each split into D halves so that a half is
+  refilled as soon as its last reader is done; mbarriers signal both ways. It loads the
+  next tile's q as soon as this tile's last S has read q, so that the load overlaps
+  the tile's last PV products and its epilogue.
+- consumer 0 computes S = Q KV^T for the even blocks, consumer 1 for the odd ones,
+  each as one full 64 x 64 wgmma (N = 64 is tensor-bound; splitting one block's S
+  between the warp groups by columns, N = 32, was shared-memory bound);
+- both consumers apply every block's P to their half of the output (consumer 0 owns
+  D[0:256], consumer 1 D[256:512]): P and the running row max go through shared
+  memory, so one consumer's softmax overlaps the other's tensor work.
 
-One program per (token, 64-head block), 8 warps. Gluon has no interpreter: this
-kernel is tested on the GPU (tests/test_kernels_gpu.py) and compiled for sm_90 in CI.
+The running max is one sequence m_0 <= m_1 <= ... that both consumers follow: block
+j's softmax starts from m_{j-1}, published by the other consumer with P_{j-1}; each
+consumer rescales its half of O (and its share of the row sum) to m_j before adding
+P_j V_j, and the shares are summed at the end of the tile.
+
+Gluon has no interpreter: tested on the GPU (tests/test_kernels_gpu.py) and compiled
+for sm_90 in CI (tests/test_sm90_compile.py). Measurements: benchmarks/NOTES.md.
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy as cp,
     fence_async_shared,
+    mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -30,24 +41,300 @@ from .common import cuda_properties
 from .forward import FWD_RUNTIME_INTS, prepare_forward
 
 BLOCK_H = 64
-NUM_WARPS = 8
+NUM_WARPS = 4  # per partition; the kernel runs 3 partitions (12 warps)
+MAXNREG = 168  # 12 warps x 32 threads x 168 registers fit the 64K register file
+
+# mbarrier slots
+_Q_READY = gl.constexpr(0)
+_KV_READY = gl.constexpr(1)  # + 2 * buffer + half
+_KV_FREE = gl.constexpr(5)  # + 2 * buffer + half
+_P_READY = gl.constexpr(9)  # + buffer
+_P_FREE = gl.constexpr(11)  # + buffer
+_FIN = gl.constexpr(13)
+_Q_FREE = gl.constexpr(14)
+_N_BARS = gl.constexpr(15)
+_DH = gl.constexpr(256)  # D / 2: D = 512 only
+_BK = gl.constexpr(64)
 
 
 @gluon.jit
-def _load_ids(idx_row, k0, K, offs):
-    """Ids of slots k0 + offs (-1 past K), in the layout of ``offs``."""
-    offs_k = k0 + offs
-    return gl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
+def _producer(Q, KV, IDX, T, H, N, K, stride_qt, stride_qh, stride_kvn, stride_it,
+              q_smem, kv_smem, bars, n_pairs, DH: gl.constexpr, BK: gl.constexpr,
+              BENCH_GATHER: gl.constexpr = True):
+    BH: gl.constexpr = 64
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    offs_d = gl.arange(0, DH, layout=gl.SliceLayout(0, ld))
+    offs_r = gl.arange(0, BK, layout=gl.SliceLayout(1, ld))
+    n_hb = gl.cdiv(H, BH)
+    n_tiles = T * n_hb
+    tcount = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        pid_t = (tile // n_hb).to(gl.int64)
+        pid_h = tile % n_hb
+        # q of this tile, once both consumers' last S of the previous tile is done (a
+        # fresh mbarrier counts its phase "1" as complete: the first wait passes).
+        mbarrier.wait(bars.index(_Q_FREE), (tcount & 1) ^ 1)
+        h_ld = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
+        q_ptrs = Q + pid_t * stride_qt + h_ld[:, None].to(gl.int64) * stride_qh + offs_d[None, :]
+        h_ok = (h_ld < H)[:, None]
+        cp.async_copy_global_to_shared(q_smem.index(0), q_ptrs, mask=h_ok)
+        cp.async_copy_global_to_shared(q_smem.index(1), q_ptrs + DH, mask=h_ok)
+        cp.mbarrier_arrive(bars.index(_Q_READY), increment_count=False)
+        idx_row = IDX + pid_t * stride_it
+        _produce_tile(KV, idx_row, N, K, stride_kvn, kv_smem, bars, n_pairs, tcount * n_pairs, offs_r,
+                      offs_d, DH, BK, BENCH_GATHER)
+        tcount += 1
 
 
 @gluon.jit
-def _issue_kv_block(kv_buf, KV, ids, N, stride_kvn, offs_d):
-    """Gather the kv rows ``ids`` (one per ring-slot row) into one ring slot."""
-    ids = ids.to(gl.int64)
+def _produce_tile(KV, idx_row, N, K, stride_kvn, kv_smem, bars, n_pairs, pair0, offs_r, offs_d,
+                  DH: gl.constexpr, BK: gl.constexpr, BENCH_GATHER: gl.constexpr):
+    """Gather the kv rows of one tile's blocks into the ring (``pair0``: pairs gathered before)."""
+    offs_k = offs_r
+    ids = gl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
+    for j in range(0, 2 * n_pairs):
+        b = j % 2
+        free_phase = ((pair0 + j // 2) & 1) ^ 1
+        ids64 = ids.to(gl.int64)
+        valid = (ids64 >= 0) & (ids64 < N)
+        rows = gl.where(valid, ids64, 0)  # masked ids never form an address
+        ptrs = KV + rows[:, None] * stride_kvn + offs_d[None, :]
+        vm = valid[:, None]
+        offs_k = (j + 1) * BK + offs_r
+        ids = gl.load(idx_row + offs_k, mask=offs_k < K, other=-1)  # next block's ids, ahead
+        for half in gl.static_range(2):
+            mbarrier.wait(bars.index(_KV_FREE + 2 * b + half), free_phase)
+            if BENCH_GATHER:  # (False: a benchmark diagnostic, only the first pair is gathered)
+                cp.async_copy_global_to_shared(kv_smem.index(2 * b + half), ptrs + half * DH, mask=vm)
+            elif j < 2:
+                cp.async_copy_global_to_shared(kv_smem.index(2 * b + half), ptrs + half * DH, mask=vm)
+            cp.mbarrier_arrive(bars.index(_KV_READY + 2 * b + half), increment_count=False)
+
+
+@gluon.jit
+def _softmax_block(s, ids, N, m_cur, l_i, scale_log2):
+    """Online softmax of one S block from the running max ``m_cur``: (P, m_new, alpha, l)."""
     valid = (ids >= 0) & (ids < N)
-    rows = gl.where(valid, ids, 0)  # masked ids never form an address
-    ptrs = KV + rows[:, None] * stride_kvn + offs_d[None, :]
-    cp.async_copy_global_to_shared(kv_buf, ptrs, mask=valid[:, None])
+    s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_cur, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_cur - m_safe)
+    p = gl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, m_new, alpha, l_i
+
+
+@gluon.jit
+def _rescale_to(m_cur, m_new):
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    return gl.exp2(m_cur - m_safe)
+
+
+@gluon.jit
+def _consumer(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
+              q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs,
+              WG: gl.constexpr, DH: gl.constexpr, BK: gl.constexpr, HAS_SINK: gl.constexpr):
+    """Consumer ``WG`` (0 or 1): S of blocks j = WG mod 2, O[:, WG*DH:(WG+1)*DH] of every block."""
+    BH: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BK, 16])
+    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    offs_c = gl.arange(0, BK, layout=col_l)
+    s_zero = gl.zeros([BH, BK], gl.float32, layout=s_layout)
+    n_hb = gl.cdiv(H, BH)
+    n_tiles = T * n_hb
+    tcount = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        pid_t = (tile // n_hb).to(gl.int64)
+        pid_h = tile % n_hb
+        _consume_tile(IDX, SINK, OUT, LSE, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
+                      q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs, pid_t, pid_h, tcount,
+                      offs_c, s_zero, WG, DH, BK, HAS_SINK)
+        tcount += 1
+
+
+@gluon.jit
+def _consume_tile(IDX, SINK, OUT, LSE, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
+                  q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs, pid_t, pid_h, tcount,
+                  offs_c, s_zero, WG: gl.constexpr, DH: gl.constexpr, BK: gl.constexpr,
+                  HAS_SINK: gl.constexpr):
+    """One (token, 64-head block) tile of consumer ``WG``."""
+    BH: gl.constexpr = 64
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = s_zero.type.layout
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DH, 16])
+    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+    idx_row = IDX + pid_t * stride_it
+    offs_k = WG * BK + offs_c
+    ids = gl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
+    m_cur = gl.full([BH], float("-inf"), gl.float32, layout=row_l)
+    l_i = gl.zeros([BH], gl.float32, layout=row_l)
+    acc = gl.zeros([BH, DH], gl.float32, layout=o_layout)
+    pair0 = tcount * n_pairs
+
+    mbarrier.wait(bars.index(_Q_READY), tcount & 1)
+    for i in range(0, n_pairs):
+        ph = (pair0 + i) & 1
+        # z is 0 (grid z = 1) but unknown to the compiler: the shared-memory descriptors
+        # are formed in the loop instead of hoisted out of it and spilled.
+        z = i * gl.program_id(2)
+        mine = kv_smem.index(2 * WG + z)
+        mine_hi = kv_smem.index(2 * WG + 1 + z)
+        # S of my block (2i + WG): both D halves of my buffer.
+        # (the first D half's product starts while the second half is still landing)
+        mbarrier.wait(bars.index(_KV_READY + 2 * WG), ph)
+        fence_async_shared()
+        s = warpgroup_mma(q_smem.index(z), mine.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(bars.index(_KV_READY + 2 * WG + 1), ph)
+        fence_async_shared()
+        s = warpgroup_mma(q_smem.index(z + 1), mine_hi.permute((1, 0)), s, is_async=True)
+        my_ids = ids
+        offs_k = (2 * i + 2 + WG) * BK + offs_c
+        ids = gl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
+
+        if WG == 1:
+            # Block 2i (consumer 0's): its max is my starting point; apply its P to my half
+            # while my S runs.
+            mbarrier.wait(bars.index(_P_READY + 0), ph)
+            m_prev = m_smem.index(0).load(row_l)
+            alpha0 = _rescale_to(m_cur, m_prev)
+            l_i = l_i * alpha0
+            acc = acc * gl.convert_layout(alpha0, orow_l)[:, None]
+            m_cur = m_prev
+            mbarrier.wait(bars.index(_KV_READY + 1), ph)
+            acc = warpgroup_mma(p_smem.index(0), kv_smem.index(1), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        else:
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        # After the tile's last S, q may be replaced by the next tile's.
+        mbarrier.arrive(bars.index(_Q_FREE), pred=i == n_pairs - 1)
+
+        p, m_new, alpha, l_i = _softmax_block(s, my_ids, N, m_cur, l_i, scale_log2)
+        # Publish P and the new running max (once the other consumer is done with the
+        # previous P in this slot).
+        mbarrier.wait(bars.index(_P_FREE + WG), ph ^ 1)
+        p_smem.index(WG).store(p.to(dtype))
+        m_smem.index(WG).store(m_new)
+        fence_async_shared()
+        mbarrier.arrive(bars.index(_P_READY + WG))
+
+        if WG == 1:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(bars.index(_KV_FREE + 1))  # buffer 0, D half 1: S and both PVs done
+            mbarrier.arrive(bars.index(_P_FREE + 0))
+        acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+        m_cur = m_new
+        acc = warpgroup_mma(p_smem.index(WG), kv_smem.index(2 * WG + WG), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if WG == 0:
+            mbarrier.arrive(bars.index(_KV_FREE + 0))  # buffer 0, D half 0
+            # Block 2i + 1 (consumer 1's): rescale to its max, apply its P to my half.
+            mbarrier.wait(bars.index(_P_READY + 1), ph)
+            m_next = m_smem.index(1).load(row_l)
+            alpha1 = _rescale_to(m_cur, m_next)
+            l_i = l_i * alpha1
+            acc = acc * gl.convert_layout(alpha1, orow_l)[:, None]
+            m_cur = m_next
+            mbarrier.wait(bars.index(_KV_READY + 2), ph)
+            acc = warpgroup_mma(p_smem.index(1), kv_smem.index(2), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(bars.index(_KV_FREE + 2))  # buffer 1, D half 0
+            mbarrier.arrive(bars.index(_P_FREE + 1))
+        else:
+            mbarrier.arrive(bars.index(_KV_FREE + 3))  # buffer 1, D half 1
+
+    mbarrier.arrive(bars.index(_Q_FREE), pred=n_pairs == 0)  # K = 0: no S read q
+
+    # Both consumers now hold O halves and row-sum shares relative to the same max.
+    l_smem.index(WG).store(l_i)
+    mbarrier.arrive(bars.index(_FIN))
+    mbarrier.wait(bars.index(_FIN), tcount & 1)
+    l_tot = l_smem.index(0).load(row_l) + l_smem.index(1).load(row_l)
+
+    h_row = pid_h * BH + gl.arange(0, BH, layout=row_l)
+    h_mask = h_row < H
+    if HAS_SINK:
+        sink = gl.load(SINK + h_row, mask=h_mask, other=0.0) * 1.4426950408889634
+        m_f = gl.maximum(m_cur, sink)
+        rescale = gl.exp2(m_cur - m_f)
+        l_f = l_tot * rescale + gl.exp2(sink - m_f)
+    else:
+        m_f = m_cur
+        rescale = gl.full([BH], 1.0, gl.float32, layout=row_l)
+        l_f = l_tot
+    nonempty = l_f > 0.0
+    w = gl.where(nonempty, rescale / gl.where(nonempty, l_f, 1.0), 0.0)
+    if WG == 0:
+        lse = gl.where(nonempty, (m_f + gl.log2(gl.where(nonempty, l_f, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+        gl.store(LSE + pid_t * stride_lt + h_row, lse, mask=h_mask)
+
+    out = (acc * gl.convert_layout(w, orow_l)[:, None]).to(dtype)
+    # Stored from a row-contiguous layout (16 bytes a thread): from the wgmma layout each
+    # store instruction would write 8 rows x 16 bytes. Converted a quarter at a time
+    # (column bits 6-7 are register bits of the wgmma layout), so the conversion's
+    # shared-memory scratch is 8 KB, not 32.
+    st_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    # column = 128 * c2 + 64 * c1 + c0 -> [row, c0, c2, c1]; split c1, then c2
+    q4 = out.reshape([BH, 2, 2, DH // 4]).permute((0, 3, 1, 2))
+    even, odd = q4.split()  # c1 = 0 (columns 0-63, 128-191), c1 = 1 (64-127, 192-255)
+    o0, o2 = even.split()
+    o1, o3 = odd.split()
+    h_o = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, st_l))
+    d_o = WG * DH + gl.arange(0, DH // 4, layout=gl.SliceLayout(0, st_l))
+    o_ptrs = OUT + pid_t * stride_ot + h_o[:, None].to(gl.int64) * stride_oh + d_o[None, :]
+    h_ok = (h_o < H)[:, None]
+    gl.store(o_ptrs, gl.convert_layout(o0, st_l), mask=h_ok)
+    gl.store(o_ptrs + DH // 4, gl.convert_layout(o1, st_l), mask=h_ok)
+    gl.store(o_ptrs + 2 * (DH // 4), gl.convert_layout(o2, st_l), mask=h_ok)
+    gl.store(o_ptrs + 3 * (DH // 4), gl.convert_layout(o3, st_l), mask=h_ok)
+
+
+@gluon.jit
+def _producer_gather(Q, KV, IDX, T, H, N, K, stride_qt, stride_qh, stride_kvn, stride_it, q_smem, kv_smem,
+                     bars, n_pairs):
+    _producer(Q, KV, IDX, T, H, N, K, stride_qt, stride_qh, stride_kvn, stride_it,
+              q_smem, kv_smem, bars, n_pairs, _DH, _BK, True)
+
+
+@gluon.jit
+def _producer_nogather(Q, KV, IDX, T, H, N, K, stride_qt, stride_qh, stride_kvn, stride_it, q_smem, kv_smem,
+                       bars, n_pairs):
+    _producer(Q, KV, IDX, T, H, N, K, stride_qt, stride_qh, stride_kvn, stride_it,
+              q_smem, kv_smem, bars, n_pairs, _DH, _BK, False)
+
+
+# Partitions receive their arguments as IR values (a constexpr would arrive as a
+# runtime scalar), so their compile-time parameters are fixed in these wrappers.
+@gluon.jit
+def _consumer0_sink(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
+                    q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs):
+    _consumer(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
+              q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs, 0, _DH, _BK, True)
+
+
+@gluon.jit
+def _consumer0_nosink(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
+                      q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs):
+    _consumer(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
+              q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs, 0, _DH, _BK, False)
+
+
+@gluon.jit
+def _consumer1_sink(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
+                    q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs):
+    _consumer(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
+              q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs, 1, _DH, _BK, True)
+
+
+@gluon.jit
+def _consumer1_nosink(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
+                      q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs):
+    _consumer(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
+              q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs, 1, _DH, _BK, False)
 
 
 @gluon.jit(do_not_specialize=FWD_RUNTIME_INTS)
@@ -57,119 +344,49 @@ def _sparse_mla_fwd_gluon_kernel(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
     scale_log2,
     D: gl.constexpr,
-    BLOCK_K: gl.constexpr,
-    STAGES: gl.constexpr,
     HAS_SINK: gl.constexpr,
     BENCH_GATHER: gl.constexpr = True,
 ):
     BH: gl.constexpr = 64
-    NW: gl.constexpr = 8
+    BK: gl.constexpr = 64
+    DH: gl.constexpr = D // 2
     dtype: gl.constexpr = Q.dtype.element_ty
+    half_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, DH], dtype)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BK], dtype)
+    v_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    q_smem = gl.allocate_shared_memory(dtype, [2, BH, DH], half_sl)
+    kv_smem = gl.allocate_shared_memory(dtype, [4, BK, DH], half_sl)  # [buffer * 2 + D half]
+    p_smem = gl.allocate_shared_memory(dtype, [2, BH, BK], p_sl)
+    m_smem = gl.allocate_shared_memory(gl.float32, [2, BH], v_sl)
+    l_smem = gl.allocate_shared_memory(gl.float32, [2, BH], v_sl)
+    bars = gl.allocate_shared_memory(gl.int64, [_N_BARS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(_Q_READY), count=128)  # cp.async arrivals of the producer's threads
+    for i in gl.static_range(4):
+        mbarrier.init(bars.index(_KV_READY + i), count=128)
+        mbarrier.init(bars.index(_KV_FREE + i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(bars.index(_P_READY + i), count=1)
+        mbarrier.init(bars.index(_P_FREE + i), count=1)
+    mbarrier.init(bars.index(_FIN), count=2)
+    mbarrier.init(bars.index(_Q_FREE), count=2)
 
-    # Register layouts: S [BH, BLOCK_K] and O [BH, D], both warps [4, 2] (no duplication).
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_K // 2, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2 if D <= 512 else 256, 16])
-    # Gather layout: each thread moves 16-byte chunks of a row.
-    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, D], dtype)
-    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D], dtype)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BLOCK_K], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [BH, D], q_sl)
-    kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], kv_sl)
-    p_smem = gl.allocate_shared_memory(dtype, [BH, BLOCK_K], p_sl)
-
-    pid_t = gl.program_id(0).to(gl.int64)
-    pid_h = gl.program_id(1)
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-    offs_r = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, ld_layout))
-
-    # Q tile (heads past H zero-filled), in the first copy group with KV block 0.
-    h_ld = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld_layout))
-    q_ptrs = Q + pid_t * stride_qt + h_ld[:, None].to(gl.int64) * stride_qh + offs_d[None, :]
-    cp.async_copy_global_to_shared(q_smem, q_ptrs, mask=(h_ld < H)[:, None])
-
-    idx_row = IDX + pid_t * stride_it
-    for i in gl.static_range(STAGES - 1):
-        _issue_kv_block(kv_smem.index(i), KV, _load_ids(idx_row, i * BLOCK_K, K, offs_r), N, stride_kvn,
-                        offs_d)
-        cp.commit_group()
-    # Ids are loaded one block ahead of their use, so that no global-load latency sits
-    # between a barrier and the gather it feeds, or between S and the softmax.
-    ids_gather = _load_ids(idx_row, (STAGES - 1) * BLOCK_K, K, offs_r)
-    offs_c = gl.arange(0, BLOCK_K, layout=col_l)
-    ids_soft = _load_ids(idx_row, 0, K, offs_c)
-
-    m_i = gl.full([BH], float("-inf"), gl.float32, layout=row_l)
-    l_i = gl.zeros([BH], gl.float32, layout=row_l)
-    acc = gl.zeros([BH, D], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BH, BLOCK_K], gl.float32, layout=s_layout)
-
-    n_blocks = gl.cdiv(K, BLOCK_K)
-    for j in range(0, n_blocks):
-        stage = j % STAGES
-        kv_buf = kv_smem.index(stage)
-        # Block j has landed (this thread's copies); make every thread's copies
-        # visible to the tensor cores, and make sure block j-1's wgmmas are done in
-        # both warp groups before its ring slot is refilled.
-        cp.wait_group(STAGES - 2)
-        fence_async_shared()
-        gl.thread_barrier()
-        nxt = j + STAGES - 1
-        if BENCH_GATHER:  # (False: a benchmark diagnostic, the loop timed without gathers)
-            _issue_kv_block(kv_smem.index(nxt % STAGES), KV, ids_gather, N, stride_kvn, offs_d)
-        cp.commit_group()
-        ids_gather = _load_ids(idx_row, (nxt + 1) * BLOCK_K, K, offs_r)
-
-        s = warpgroup_mma(q_smem, kv_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        ids = ids_soft
-        ids_soft = _load_ids(idx_row, (j + 1) * BLOCK_K, K, offs_c)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-
-        valid = (ids >= 0) & (ids < N)
-        s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-
-        p_smem.store(p.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc = warpgroup_mma(p_smem, kv_buf, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-
-    cp.wait_group(0)  # drain the (masked) copies issued past the end
-
-    h_row = pid_h * BH + gl.arange(0, BH, layout=row_l)
-    h_mask = h_row < H
-    if HAS_SINK:
-        sink = gl.load(SINK + h_row, mask=h_mask, other=0.0) * 1.4426950408889634
-        m_f = gl.maximum(m_i, sink)
-        rescale = gl.exp2(m_i - m_f)
-        l_f = l_i * rescale + gl.exp2(sink - m_f)
+    n_pairs = gl.cdiv(gl.cdiv(K, BK), 2)
+    c_args = (IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
+              q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs)
+    p_args = (Q, KV, IDX, T, H, N, K, stride_qt, stride_qh, stride_kvn, stride_it, q_smem, kv_smem, bars,
+              n_pairs)
+    # The producer is the default partition: ptxas compiles that one under the kernel's
+    # register limit (MAXNREG), the worker partitions under their own (setmaxnreg).
+    # 3 x 168 registers a thread: 232 for each consumer, 40 for the producer.
+    if BENCH_GATHER == 0:  # diagnostic: the kernel timed without its gathers (wrong output)
+        gl.warp_specialize([(_producer_nogather, p_args), (_consumer0_sink, c_args),
+                            (_consumer1_sink, c_args)], [4, 4], [232, 232])
+    elif HAS_SINK:
+        gl.warp_specialize([(_producer_gather, p_args), (_consumer0_sink, c_args), (_consumer1_sink, c_args)],
+                           [4, 4], [232, 232])
     else:
-        m_f = m_i
-        rescale = gl.full([BH], 1.0, gl.float32, layout=row_l)
-        l_f = l_i
-    nonempty = l_f > 0.0
-    w = gl.where(nonempty, rescale / gl.where(nonempty, l_f, 1.0), 0.0)
-    lse = gl.where(nonempty, (m_f + gl.log2(gl.where(nonempty, l_f, 1.0))) * 0.6931471805599453,
-                   float("-inf"))
-    gl.store(LSE + pid_t * stride_lt + h_row, lse, mask=h_mask)
-
-    out = acc * gl.convert_layout(w, gl.SliceLayout(1, o_layout))[:, None]
-    h_o = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, o_layout))
-    d_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = OUT + pid_t * stride_ot + h_o[:, None].to(gl.int64) * stride_oh + d_o[None, :]
-    gl.store(o_ptrs, out.to(dtype), mask=(h_o < H)[:, None])
+        gl.warp_specialize([(_producer_gather, p_args), (_consumer0_nosink, c_args),
+                            (_consumer1_nosink, c_args)], [4, 4], [232, 232])
 
 
 def supported(q: torch.Tensor, D: int, H: int) -> bool:
@@ -181,17 +398,17 @@ def supported(q: torch.Tensor, D: int, H: int) -> bool:
     return (props.major, props.minor) == (9, 0)
 
 
-def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, BLOCK_K=64, STAGES=2,
-                   **variant):
+def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, **variant):
     """Launch the Gluon forward (same contract as ``forward.sparse_mla_fwd``)."""
-    assert STAGES >= 2, "the ring needs two slots: one landing while the other is read"
     out, lse, args = prepare_forward(q, kv, indices, attn_sink, scale, out, lse)
     if args is None:
         return out, lse
     T, H, D = q.shape
-    _sparse_mla_fwd_gluon_kernel[(T, triton.cdiv(H, BLOCK_H))](
-        *args,
-        D=D, BLOCK_K=BLOCK_K, STAGES=STAGES, HAS_SINK=attn_sink is not None,
-        num_warps=NUM_WARPS, **variant,
+    n_tiles = T * triton.cdiv(H, BLOCK_H)
+    # Persistent: one program per SM walks the (token, head block) tiles, so the next
+    # tile's q and first kv blocks load while this tile finishes.
+    grid = (min(n_tiles, cuda_properties(q.device).multi_processor_count),)
+    _sparse_mla_fwd_gluon_kernel[grid](
+        *args, D=D, HAS_SINK=attn_sink is not None, num_warps=NUM_WARPS, maxnreg=MAXNREG, **variant,
     )
     return out, lse
