@@ -116,27 +116,41 @@ def _n_compiled(jit_fn) -> int:
 
 def test_no_recompile_when_T_K_N_change():
     """T, N and K are runtime values: three sequence lengths / top-ks compile each kernel once."""
+    from dsv4_sparse_attn.kernels import forward_gluon
+
+    gluon = forward_gluon.supported(torch.empty(1, 64, 512, device=DEV, dtype=BF), 512, 64)
     shapes = [(100, 64, 160), (257, 64, 129), (1031, 64, 47)]
     sizes_before = None
     for i, (T, H, K) in enumerate(shapes):
         c = Case(T, H, 512, T + 50, K, ids="deepseek")
         check_forward(c, DEV)
+        if gluon:
+            check_forward(c, DEV, fwd=forward_gluon.sparse_mla_fwd)
         check_backward(c, DEV)
         sizes = (_n_compiled(kfwd._sparse_mla_fwd_kernel), _n_compiled(kbwd._bwd_main_kernel),
-                 _n_compiled(kbwd._dkv_reduce_kernel), _n_compiled(kbwd._bwd_delta_kernel))
+                 _n_compiled(kbwd._dkv_reduce_kernel), _n_compiled(kbwd._bwd_delta_kernel),
+                 _n_compiled(forward_gluon._sparse_mla_fwd_gluon_kernel))
         if sizes_before is not None:
             assert sizes == sizes_before, f"recompiled at T={T}, K={K}: {sizes_before} -> {sizes}"
         sizes_before = sizes
 
 
 @pytest.mark.slow
-def test_forward_int64_offsets():
+@pytest.mark.parametrize("kernel", ["triton", "gluon"])
+def test_forward_int64_offsets(kernel):
     """T*H*D > 2**31 elements: offsets must be computed in int64."""
+    from dsv4_sparse_attn.kernels import forward_gluon
+
     T, H, D = 33000, 128, 512  # 2.16e9 elements, 4.3 GB of bf16 q
     q = torch.randn(T, H, D, device=DEV, dtype=BF)
+    fwd = kfwd.sparse_mla_fwd
+    if kernel == "gluon":
+        if not forward_gluon.supported(q, D, H):
+            pytest.skip("the Gluon kernel needs an sm_90 GPU (H100/H200)")
+        fwd = forward_gluon.sparse_mla_fwd
     kv = torch.randn(64, D, device=DEV, dtype=BF)
     idx = torch.randint(0, 64, (T, 8), device=DEV, dtype=I32)
-    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, None, D ** -0.5)
+    out, lse = fwd(q, kv, idx, None, D ** -0.5)
     from helpers import oracle_fwd, relerr
 
     for t in (0, T // 2, T - 1):  # check the last tokens, past the 2**31 boundary
