@@ -120,7 +120,9 @@ def _bwd_main_kernel(
     dq2 = tl.zeros([BLOCK_H, QD], dtype=tl.float32)
     dq3 = tl.zeros([BLOCK_H, QD], dtype=tl.float32)
     idx_row = IDX + pid_t * stride_it
-    for k0 in range(0, K, BLOCK_K):
+    # No loop-invariant code motion: LLVM would hoist the wgmma shared-memory descriptors
+    # of the q/dO tiles (64-bit, dozens of them) out of the loop and spill them.
+    for k0 in tl.range(0, K, BLOCK_K, disable_licm=True):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         valid, rows = slot_rows(idx_row, offs_k, K, N)
         vm = valid[:, None]
