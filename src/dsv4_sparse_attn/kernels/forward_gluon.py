@@ -87,11 +87,17 @@ def _producer(Q, KV, IDX, T, H, N, K, stride_qt, stride_qh, stride_kvn, stride_i
 
 
 @gluon.jit
+def _load_ids(idx_row, k0, K, offs):
+    """Ids of slots k0 + offs (-1 past K), in the layout of ``offs``."""
+    offs_k = k0 + offs
+    return gl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
+
+
+@gluon.jit
 def _produce_tile(KV, idx_row, N, K, stride_kvn, kv_smem, bars, n_pairs, pair0, offs_r, offs_d,
                   DH: gl.constexpr, BK: gl.constexpr, BENCH_GATHER: gl.constexpr):
     """Gather the kv rows of one tile's blocks into the ring (``pair0``: pairs gathered before)."""
-    offs_k = offs_r
-    ids = gl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
+    ids = _load_ids(idx_row, 0, K, offs_r)
     for j in range(0, 2 * n_pairs):
         b = j % 2
         free_phase = ((pair0 + j // 2) & 1) ^ 1
@@ -100,8 +106,7 @@ def _produce_tile(KV, idx_row, N, K, stride_kvn, kv_smem, bars, n_pairs, pair0, 
         rows = gl.where(valid, ids64, 0)  # masked ids never form an address
         ptrs = KV + rows[:, None] * stride_kvn + offs_d[None, :]
         vm = valid[:, None]
-        offs_k = (j + 1) * BK + offs_r
-        ids = gl.load(idx_row + offs_k, mask=offs_k < K, other=-1)  # next block's ids, ahead
+        ids = _load_ids(idx_row, (j + 1) * BK, K, offs_r)  # next block's ids, ahead
         for half in gl.static_range(2):
             mbarrier.wait(bars.index(_KV_FREE + 2 * b + half), free_phase)
             if BENCH_GATHER:  # (False: a benchmark diagnostic, only the first pair is gathered)
@@ -168,8 +173,7 @@ def _consume_tile(IDX, SINK, OUT, LSE, H, N, K, stride_it, stride_ot, stride_oh,
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     idx_row = IDX + pid_t * stride_it
-    offs_k = WG * BK + offs_c
-    ids = gl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
+    ids = _load_ids(idx_row, WG * BK, K, offs_c)
     m_cur = gl.full([BH], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([BH], gl.float32, layout=row_l)
     acc = gl.zeros([BH, DH], gl.float32, layout=o_layout)
@@ -192,8 +196,7 @@ def _consume_tile(IDX, SINK, OUT, LSE, H, N, K, stride_it, stride_ot, stride_oh,
         fence_async_shared()
         s = warpgroup_mma(q_smem.index(z + 1), mine_hi.permute((1, 0)), s, is_async=True)
         my_ids = ids
-        offs_k = (2 * i + 2 + WG) * BK + offs_c
-        ids = gl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
+        ids = _load_ids(idx_row, (2 * i + 2 + WG) * BK, K, offs_c)
 
         if WG == 1:
             # Block 2i (consumer 0's): its max is my starting point; apply its P to my half
