@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, cuda_properties, interpreting, last_dim_contiguous, load_tile, next_pow2,
-                     slot_rows)
+from .common import (LOG2E, cuda_properties, head_block, interpreting, last_dim_contiguous, load_tile,
+                     next_pow2, slot_rows)
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
 # of the backward is this plus O(T*H + N*D) fp32): under the 1 GiB the backward may
@@ -210,7 +210,7 @@ class BwdConfig(NamedTuple):
 
 def backward_config(D: int, H: int) -> BwdConfig:
     """Block sizes per head dim and head count (measurements in benchmarks/NOTES.md)."""
-    block_h = 64 if H > 32 else max(16, next_pow2(H))
+    block_h = head_block(H)
     if D == 512:
         return BwdConfig(block_h, 64, 8 if block_h == 64 else 4, 1)
     if D == 256:

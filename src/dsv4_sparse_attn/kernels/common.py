@@ -68,6 +68,13 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
 
+def head_block(H: int) -> int:
+    """Heads per program of the Triton kernels: 64 (a full-rate wgmma M) when H > 32;
+    below that the kernels are bound by gathered KV bytes and a smaller block (at least
+    16, the smallest MMA M) wastes less on padding heads."""
+    return 64 if H > 32 else max(16, next_pow2(H))
+
+
 @triton.jit
 def slot_rows(idx_row, offs_k, K, N):
     """Load the ids of slots ``offs_k`` of one token; return (valid, row) as int64.

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, interpreting, last_dim_contiguous, load_tile, next_pow2, slot_rows
+from .common import LOG2E, head_block, interpreting, last_dim_contiguous, load_tile, slot_rows
 
 # Values that change from call to call (sequence length, top-k, pool size) are never
 # specialised; the row strides of q, kv and out (multiples of D in practice) are, so
@@ -105,12 +105,8 @@ class FwdConfig(NamedTuple):
 
 
 def forward_config(D: int, H: int) -> FwdConfig:
-    """Block sizes per head dim and head count (measurements in benchmarks/NOTES.md).
-
-    wgmma needs M (heads) a multiple of 64 to reach full rate; below 64 heads the
-    kernel is bound by gathered KV bytes and a smaller head block wastes less.
-    """
-    block_h = 64 if H > 32 else max(16, next_pow2(H))
+    """Block sizes per head dim and head count (measurements in benchmarks/NOTES.md)."""
+    block_h = head_block(H)
     if D == 512:
         # 64x64 tiles, 8 warps, 2 stages: best plain-Triton point on H200 (NOTES.md).
         return FwdConfig(block_h, 64, 8 if block_h == 64 else 4, 2)
