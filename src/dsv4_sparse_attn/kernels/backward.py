@@ -173,9 +173,9 @@ def _bwd_main_kernel(
     tl.store(dq_ptr + 3 * QD, (dq3 * scale).to(DQ.dtype.element_ty), mask=hm)
 
 
-@triton.jit(do_not_specialize=["K", "n_hb"])
+@triton.jit(do_not_specialize=["K", "k_stride", "n_hb"])
 def _dkv_reduce_kernel(
-    PARTIAL, ORDER, SEG, DKV, K, n_hb,
+    PARTIAL, ORDER, SEG, DKV, K, k_stride, n_hb,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """grad_kv[n] += the sum of row n's per-slot partials, in sorted (fixed) order.
@@ -195,7 +195,7 @@ def _dkv_reduce_kernel(
         tok = entry // K
         slot = entry - tok * K
         for hb in range(0, n_hb):
-            ptr = PARTIAL + (((tok * n_hb + hb) * K + slot) * D)[:, None] + offs_d[None, :]
+            ptr = PARTIAL + (((tok * n_hb + hb) * k_stride + slot) * D)[:, None] + offs_d[None, :]
             acc += tl.sum(tl.load(ptr, mask=e_mask[:, None], other=0.0), 0)
     ptr = DKV + row * D + offs_d
     tl.store(ptr, tl.load(ptr) + acc)
@@ -237,10 +237,12 @@ def chunk_tokens(T: int, n_hb: int, K: int, D: int, budget: int, n_sm: int = 0) 
 
 def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scale,
                    deterministic: bool = True, config: BwdConfig | None = None,
-                   grad_q: torch.Tensor | None = None):
+                   grad_q: torch.Tensor | None = None, gluon: bool = False):
     """Launch the backward; returns grad_q [T,H,D], grad_kv [N,D], grad_sink ([H] or empty).
 
-    CPU tensors run under the Triton interpreter (tests only).
+    ``gluon``: the main kernel is ``backward_gluon``'s (sm_90, D = 512, H >= 64; the
+    caller checks ``backward_gluon.supported``); Delta, the dKV reduction and grad_sink
+    are shared. CPU tensors run under the Triton interpreter (tests only).
     """
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
@@ -249,7 +251,12 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     lse, grad_lse, attn_sink = (last_dim_contiguous(x) for x in (lse, grad_lse, attn_sink))
     dev = q.device
     cfg = config or backward_config(D, H)
+    if gluon:
+        from . import backward_gluon
+        cfg = BwdConfig(64, 64, backward_gluon.NUM_WARPS, 1)
     n_hb = triton.cdiv(H, cfg.BLOCK_H)
+    # The Gluon kernel writes its partial rows unmasked, in whole 64-slot blocks.
+    k_stride = triton.cdiv(K, 64) * 64 if gluon else K
     dot_fp32 = interpreting(dev)
 
     if grad_q is None:  # tests pass a poisoned buffer to catch unwritten elements
@@ -266,6 +273,10 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         )
 
     def launch(t_begin: int, n_tok: int, partial: torch.Tensor | None):
+        if gluon:
+            backward_gluon.launch_main(q, kv, indices, grad_out, lse, delta, grad_q, grad_kv, partial,
+                                       T, H, N, K, t_begin, n_tok, scale, scale * LOG2E, n_hb)
+            return
         _bwd_main_kernel[(n_tok, n_hb)](
             q, kv, indices, grad_out, lse, delta, grad_q, grad_kv,
             partial if partial is not None else grad_kv,
@@ -281,8 +292,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         launch(0, T, None)
     elif T > 0:
         n_sm = cuda_properties(dev).multi_processor_count if dev.type == "cuda" else 0
-        chunk = chunk_tokens(T, n_hb, K, D, PARTIAL_BYTES, n_sm)
-        partial = torch.empty((chunk, n_hb, K, D), dtype=torch.float32, device=dev)
+        chunk = chunk_tokens(T, n_hb, k_stride, D, PARTIAL_BYTES, n_sm)
+        partial = torch.empty((chunk, n_hb, k_stride, D), dtype=torch.float32, device=dev)
         # Sort keys as narrow as N allows: the radix sort makes one pass per key byte
         # (int64 keys: 8 passes, int16: 2).
         key_dtype = torch.int16 if N < 2**15 - 1 else torch.int32 if N < 2**31 - 1 else torch.int64
@@ -297,7 +308,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             sorted_ids, order = torch.sort(ids, stable=True)
             seg = torch.searchsorted(sorted_ids, rows)
             _dkv_reduce_kernel[(N, D // block_d)](
-                partial, order, seg, grad_kv, K, n_hb,
+                partial, order, seg, grad_kv, K, k_stride, n_hb,
                 D=D, BLOCK_D=block_d, BLOCK_E=16, num_warps=4,
             )
 

@@ -1,0 +1,376 @@
+"""Gluon main kernel of the sparse-MLA backward for Hopper (sm_90), D = 512.
+
+A drop-in for ``backward._bwd_main_kernel`` (same arguments, same outputs: grad_q
+rounded once from fp32, and one fp32 dKV row per (token, 64-head block, slot) written
+to the deterministic path's partial buffer, or added to grad_kv with fp32 atomics).
+Warp-specialised and persistent: one program per SM walks the (token, head block)
+tiles of a token chunk, with three partitions of one warp group each:
+
+- the producer loads a tile's q and dO (64 heads x 512, in four D quarters) and
+  gathers the kv rows of every 64-slot block with cp.async into one buffer in two D
+  halves; mbarriers signal both ways;
+- the two consumers take the blocks in turn (consumer 0 the even ones): the owner of a
+  block computes S = Q KV^T and dP = dO KV^T as full 64 x 64 wgmmas, then P and
+  dS = P (dP - Delta) scale, which it publishes in shared memory (bf16, the precision
+  the tensor cores take them in);
+- both consumers then use every block's P and dS on their half of D: consumer c
+  accumulates dQ[:, c*256:(c+1)*256] += dS KV (fp32, in registers for the whole tile),
+  releases its kv half, and forms the block's dKV rows for its two D quarters,
+  transposed (M = the 128 columns of the quarter, N = 64 slots, K = 64 heads):
+  dKV^T = dO^T P + Q^T dS. The next block's gather runs under those products.
+
+Nothing of S, dP or the matmuls is computed twice (the Triton kernel's 8-warp layout
+computes S and dP in both warp groups). Gluon has no interpreter: tested on the GPU
+(tests/test_kernels_gpu.py) and compiled for sm_90 in CI (tests/test_sm90_compile.py).
+Measurements: benchmarks/NOTES.md.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy as cp,
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .common import cuda_properties
+
+NUM_WARPS = 4  # per partition; the kernel runs 3 partitions (12 warps)
+MAXNREG = 168  # 12 warps x 32 threads x 168 registers fit the 64K register file
+
+# mbarrier slots
+_QD_READY = gl.constexpr(0)
+_QD_FREE = gl.constexpr(1)
+_KV_READY = gl.constexpr(2)  # + D half
+_KV_FREE = gl.constexpr(4)  # + D half
+_PDS_READY = gl.constexpr(6)
+_PDS_FREE = gl.constexpr(7)
+_N_BARS = gl.constexpr(8)
+# Development diagnostics (wrong results; benchmarks/NOTES.md): bit 0 drops the dKV
+# stores, bit 1 the kv gathers after a tile's first block, bit 2 the q/dO loads after
+# a program's first tile.
+_DIAG = gl.constexpr(int(os.environ.get("DSV4_BWD_DIAG", "0")))
+_BH = gl.constexpr(64)  # heads of a tile
+_BK = gl.constexpr(64)  # slots of a block
+_QD = gl.constexpr(128)  # D quarter: D = 512 only
+
+
+@gluon.jit
+def _load_ids(idx_row, k0, K, offs):
+    """Ids of slots k0 + offs (-1 past K), in the layout of ``offs``."""
+    offs_k = k0 + offs
+    return gl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
+
+
+@gluon.jit
+def _producer(Q, DO, KV, IDX, H, N, K, t_begin, n_tiles, stride_qt, stride_qh, stride_dt, stride_dh,
+              stride_kvn, stride_it, q_smem, do_smem, kv_smem, bars, nb):
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte copies
+    offs_d = gl.arange(0, _QD, layout=gl.SliceLayout(0, ld))
+    offs_r = gl.arange(0, _BK, layout=gl.SliceLayout(1, ld))
+    n_hb = gl.cdiv(H, _BH)
+    tcount = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        pid_t = t_begin + (tile // n_hb).to(gl.int64)
+        pid_h = tile % n_hb
+        # q and dO of this tile, once both consumers are done with the previous tile's
+        # (a fresh mbarrier counts its phase "1" as complete: the first wait passes).
+        mbarrier.wait(bars.index(_QD_FREE), (tcount & 1) ^ 1)
+        h = pid_h * _BH + offs_r  # _BH == _BK: the row offsets serve both
+        h_ok = (h < H)[:, None]
+        h64 = h[:, None].to(gl.int64)
+        q_ptrs = Q + pid_t * stride_qt + h64 * stride_qh + offs_d[None, :]
+        do_ptrs = DO + pid_t * stride_dt + h64 * stride_dh + offs_d[None, :]
+        if (_DIAG & 4) == 0 or tcount == 0:
+            for c in gl.static_range(4):
+                cp.async_copy_global_to_shared(q_smem.index(c), q_ptrs + c * _QD, mask=h_ok)
+                cp.async_copy_global_to_shared(do_smem.index(c), do_ptrs + c * _QD, mask=h_ok)
+        cp.mbarrier_arrive(bars.index(_QD_READY), increment_count=False)
+
+        idx_row = IDX + pid_t * stride_it
+        ids = _load_ids(idx_row, 0, K, offs_r)
+        g0 = tcount * nb
+        for j in range(0, nb):
+            free_phase = ((g0 + j) & 1) ^ 1
+            ids64 = ids.to(gl.int64)
+            valid = (ids64 >= 0) & (ids64 < N)
+            rows = gl.where(valid, ids64, 0)  # masked ids never form an address (zero rows)
+            ptrs = KV + rows[:, None] * stride_kvn + offs_d[None, :]
+            vm = valid[:, None]
+            ids = _load_ids(idx_row, (j + 1) * _BK, K, offs_r)  # next block's ids, ahead
+            for half in gl.static_range(2):
+                mbarrier.wait(bars.index(_KV_FREE + half), free_phase)
+                if (_DIAG & 2) == 0 or j == 0:
+                    cp.async_copy_global_to_shared(kv_smem.index(2 * half), ptrs + (2 * half) * _QD, mask=vm)
+                    cp.async_copy_global_to_shared(kv_smem.index(2 * half + 1), ptrs + (2 * half + 1) * _QD,
+                                                   mask=vm)
+                cp.mbarrier_arrive(bars.index(_KV_READY + half), increment_count=False)
+        tcount += 1
+
+
+@gluon.jit
+def _consumer(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt,
+              stride_gt, stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb,
+              WG: gl.constexpr, ATOMIC: gl.constexpr):
+    n_hb = gl.cdiv(H, _BH)
+    tcount = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        pid_c = (tile // n_hb).to(gl.int64)  # token within the chunk
+        pid_h = tile % n_hb
+        _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_lt, stride_gt, stride_gh,
+                      scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb,
+                      pid_c, t_begin + pid_c, pid_h, n_hb, tcount, WG, ATOMIC)
+        tcount += 1
+
+
+@gluon.jit
+def _dkv_piece(p_smem, ds_smem, do_smem, q_smem, quarter, hh: gl.constexpr, zero):
+    """Columns [hh*64, hh*64+64) of D quarter ``quarter`` of a block's dKV rows, issued
+    asynchronously: P^T dO + dS^T Q (M = 64 slots, N = 64, K = 64 heads)."""
+    acc = warpgroup_mma(p_smem.permute((1, 0)), do_smem.index(quarter).slice(hh * 64, 64, dim=1), zero,
+                        use_acc=False, is_async=True)
+    return warpgroup_mma(ds_smem.permute((1, 0)), q_smem.index(quarter).slice(hh * 64, 64, dim=1), acc,
+                         is_async=True)
+
+
+@gluon.jit
+def _store_piece(row_ptr, offs_d, acc, mask, ATOMIC: gl.constexpr):
+    """acc[slot, c] to row_ptr[slot] + c: fp32 atomics into grad_kv, or partial-row stores."""
+    ptrs = row_ptr[:, None] + offs_d[None, :]
+    if ATOMIC:
+        gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+    elif _DIAG & 1:  # diagnostic: stores masked off at run time
+        gl.store(ptrs, acc, mask=mask)
+    else:  # streaming: each partial row is read once, by the reduction (+5%)
+        gl.store(ptrs, acc, cache_modifier=".cs")
+
+
+@gluon.jit
+def _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_lt, stride_gt, stride_gh,
+                  scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb,
+                  pid_c, pid_t, pid_h, n_hb, tcount, WG: gl.constexpr, ATOMIC: gl.constexpr):
+    """One (token, 64-head block) tile of consumer ``WG`` (0 or 1)."""
+    D: gl.constexpr = 4 * _QD
+    dtype: gl.constexpr = q_smem.dtype
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, _BK, 16])
+    dq_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                   instr_shape=[16, _QD, 16])
+    row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+    col_l: gl.constexpr = gl.SliceLayout(0, s_l)
+    # A dKV piece is [_BK slots, 64 columns] with S's wgmma layout: each thread holds two
+    # slot rows and pairs of adjacent columns (8-byte stores).
+    dkv_k_l: gl.constexpr = gl.SliceLayout(1, s_l)
+    dkv_d_l: gl.constexpr = gl.SliceLayout(0, s_l)
+
+    h_row = pid_h * _BH + gl.arange(0, _BH, layout=row_l)
+    h_ok = h_row < H
+    lse = gl.load(LSE + pid_t * stride_lt + h_row, mask=h_ok, other=float("-inf"))
+    # Rows with lse = -inf (no valid slot, no sink) and padding heads have P = 0.
+    row_ok = h_ok & (lse > float("-inf"))
+    lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    delta = gl.load(DELTA + pid_t * H + h_row, mask=h_ok, other=0.0)
+    offs_c = gl.arange(0, _BK, layout=col_l)
+    offs_dd = gl.arange(0, 64, layout=dkv_d_l)
+    offs_ks = gl.arange(0, _BK, layout=dkv_k_l)
+    idx_row = IDX + pid_t * stride_it
+    s_zero = gl.zeros([_BH, _BK], gl.float32, layout=s_l)
+    dq_zero = gl.zeros([_BH, _QD], gl.float32, layout=dq_l)
+    dkv_zero = gl.zeros([_BK, 64], gl.float32, layout=s_l)
+    dq0 = dq_zero
+    dq1 = dq_zero
+    g0 = tcount * nb
+
+    mbarrier.wait(bars.index(_QD_READY), tcount & 1)
+    for j in range(0, nb):
+        g = g0 + j
+        ph = g & 1
+        # z is 0 (grid z = 1) but unknown to the compiler: the shared-memory descriptors
+        # are formed in the loop instead of hoisted out of it and spilled.
+        z = j * gl.program_id(2)
+        if g % 2 == WG:  # my block: S, dP, P and dS
+            ids = _load_ids(idx_row, j * _BK, K, offs_c)
+            mbarrier.wait(bars.index(_KV_READY + 0), ph)
+            fence_async_shared()
+            s = warpgroup_mma(q_smem.index(z), kv_smem.index(z).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+            dp = warpgroup_mma(do_smem.index(z), kv_smem.index(z).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+            s = warpgroup_mma(q_smem.index(z + 1), kv_smem.index(z + 1).permute((1, 0)), s, is_async=True)
+            dp = warpgroup_mma(do_smem.index(z + 1), kv_smem.index(z + 1).permute((1, 0)), dp, is_async=True)
+            mbarrier.wait(bars.index(_KV_READY + 1), ph)
+            fence_async_shared()
+            s = warpgroup_mma(q_smem.index(z + 2), kv_smem.index(z + 2).permute((1, 0)), s, is_async=True)
+            dp = warpgroup_mma(do_smem.index(z + 2), kv_smem.index(z + 2).permute((1, 0)), dp, is_async=True)
+            s = warpgroup_mma(q_smem.index(z + 3), kv_smem.index(z + 3).permute((1, 0)), s, is_async=True)
+            dp = warpgroup_mma(do_smem.index(z + 3), kv_smem.index(z + 3).permute((1, 0)), dp, is_async=True)
+            s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+            valid = (ids >= 0) & (ids < N)
+            p = gl.exp2(s * scale_log2 - lse2[:, None])
+            p = gl.where(row_ok[:, None] & valid[None, :], p, 0.0)
+            ds = p * (dp - delta[:, None]) * scale
+            # Publish once both consumers are done with the previous block's P and dS.
+            mbarrier.wait(bars.index(_PDS_FREE), ph ^ 1)
+            p_smem.store(p.to(dtype))
+            ds_smem.store(ds.to(dtype))
+            fence_async_shared()
+            mbarrier.arrive(bars.index(_PDS_READY))
+
+        mbarrier.wait(bars.index(_PDS_READY), ph)
+        # dQ[:, my half] += dS KV[:, my half] (scale is folded into dS).
+        dq0 = warpgroup_mma(ds_smem, kv_smem.index(2 * WG + z), dq0, is_async=True)
+        dq1 = warpgroup_mma(ds_smem, kv_smem.index(2 * WG + 1 + z), dq1, is_async=True)
+        dq0, dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, dq1))
+        mbarrier.arrive(bars.index(_KV_FREE + WG))  # my kv half: the next block's gather may start
+
+        # dKV rows of this block for my half of D, a quarter at a time: P^T dO + dS^T Q
+        # (M = 64 slots, N = 128 columns, K = 64 heads; P and dS read transposed).
+        # (offsets built from z stay in the loop: hoisted, they would spill)
+        offs_kz = offs_ks + z
+        if ATOMIC:
+            ids_k = _load_ids(idx_row, j * _BK, K, offs_kz).to(gl.int64)
+            valid_k = (ids_k >= 0) & (ids_k < N)
+            row_ptr = DKV + gl.where(valid_k, ids_k, 0) * D  # [slot] row starts
+            mask = valid_k[:, None]
+        else:
+            mask = (offs_kz < (pid_c < 0).to(gl.int32))[:, None]  # (only the store diagnostic uses it)
+            # (the buffer's slot dim is padded to whole blocks: stores need no mask)
+            # (j ^ z == j, but not an induction variable: LLVM would otherwise strength-reduce
+            # every store address into its own loop-carried pointer)
+            row_ptr = PARTIAL + ((pid_c * n_hb + pid_h) * nb + (j ^ z)) * (_BK * D) + offs_kz * D
+        # Four 64-column pieces (32 registers each next to dQ's 128); each piece's stores
+        # are issued while the next piece's wgmma runs.
+        acc = _dkv_piece(p_smem, ds_smem, do_smem, q_smem, 2 * WG + z, 0, dkv_zero)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        nxt = _dkv_piece(p_smem, ds_smem, do_smem, q_smem, 2 * WG + z, 1, dkv_zero)
+        _store_piece(row_ptr + (2 * WG * _QD), offs_dd, acc, mask, ATOMIC)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
+        nxt = _dkv_piece(p_smem, ds_smem, do_smem, q_smem, 2 * WG + 1 + z, 0, dkv_zero)
+        _store_piece(row_ptr + (2 * WG * _QD + 64), offs_dd, acc, mask, ATOMIC)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
+        nxt = _dkv_piece(p_smem, ds_smem, do_smem, q_smem, 2 * WG + 1 + z, 1, dkv_zero)
+        _store_piece(row_ptr + ((2 * WG + 1) * _QD), offs_dd, acc, mask, ATOMIC)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
+        mbarrier.arrive(bars.index(_PDS_FREE))  # P and dS read for the last time
+        _store_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, mask, ATOMIC)
+
+    mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
+
+    h_q = pid_h * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, dq_l))
+    d_q = WG * 2 * _QD + gl.arange(0, _QD, layout=gl.SliceLayout(0, dq_l))
+    dq_ptrs = DQ + pid_t * stride_gt + h_q[:, None].to(gl.int64) * stride_gh + d_q[None, :]
+    hq_ok = (h_q < H)[:, None]
+    gl.store(dq_ptrs, dq0.to(DQ.dtype.element_ty), mask=hq_ok)
+    gl.store(dq_ptrs + _QD, dq1.to(DQ.dtype.element_ty), mask=hq_ok)
+
+
+# Partitions receive their arguments as IR values (a constexpr would arrive as a
+# runtime scalar), so their compile-time parameters are fixed in these wrappers.
+@gluon.jit
+def _consumer0_partial(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt,
+                       stride_gt, stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem,
+                       bars, nb):
+    _consumer(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt,
+              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, 0, False)
+
+
+@gluon.jit
+def _consumer1_partial(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt,
+                       stride_gt, stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem,
+                       bars, nb):
+    _consumer(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt,
+              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, 1, False)
+
+
+@gluon.jit
+def _consumer0_atomic(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt,
+                      stride_gt, stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem,
+                      bars, nb):
+    _consumer(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt,
+              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, 0, True)
+
+
+@gluon.jit
+def _consumer1_atomic(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt,
+                      stride_gt, stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem,
+                      bars, nb):
+    _consumer(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt,
+              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, 1, True)
+
+
+# Same runtime integers as the Triton kernel (no recompile per T, N, H or K), plus the
+# chunk's tile count.
+_RUNTIME_INTS = ["T", "H", "N", "K", "t_begin", "n_tiles", "stride_it", "stride_lt"]
+
+
+@gluon.jit(do_not_specialize=_RUNTIME_INTS)
+def _bwd_main_gluon_kernel(
+    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, PARTIAL,
+    T, H, N, K, t_begin, n_tiles,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh,
+    stride_lt, stride_gt, stride_gh,
+    scale, scale_log2,
+    D: gl.constexpr,
+    ATOMIC: gl.constexpr,
+):
+    gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512")
+    dtype: gl.constexpr = Q.dtype.element_ty
+    quarter_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, _QD], dtype)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, _BK], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [4, _BH, _QD], quarter_sl)  # [D quarter]
+    do_smem = gl.allocate_shared_memory(dtype, [4, _BH, _QD], quarter_sl)
+    kv_smem = gl.allocate_shared_memory(dtype, [4, _BK, _QD], quarter_sl)
+    p_smem = gl.allocate_shared_memory(dtype, [_BH, _BK], p_sl)
+    ds_smem = gl.allocate_shared_memory(dtype, [_BH, _BK], p_sl)
+    bars = gl.allocate_shared_memory(gl.int64, [_N_BARS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(_QD_READY), count=128)  # cp.async arrivals of the producer's threads
+    mbarrier.init(bars.index(_QD_FREE), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(bars.index(_KV_READY + i), count=128)
+        mbarrier.init(bars.index(_KV_FREE + i), count=1)
+    mbarrier.init(bars.index(_PDS_READY), count=1)
+    mbarrier.init(bars.index(_PDS_FREE), count=2)
+
+    nb = gl.cdiv(K, _BK)
+    c_args = (IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt,
+              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb)
+    p_args = (Q, DO, KV, IDX, H, N, K, t_begin, n_tiles, stride_qt, stride_qh, stride_dt, stride_dh,
+              stride_kvn, stride_it, q_smem, do_smem, kv_smem, bars, nb)
+    # The producer is the default partition (ptxas compiles it under MAXNREG; the
+    # workers get setmaxnreg budgets): 3 x 168 = 40 + 232 + 232 registers a thread.
+    if ATOMIC:
+        gl.warp_specialize([(_producer, p_args), (_consumer0_atomic, c_args), (_consumer1_atomic, c_args)],
+                           [4, 4], [232, 232])
+    else:
+        gl.warp_specialize([(_producer, p_args), (_consumer0_partial, c_args), (_consumer1_partial, c_args)],
+                           [4, 4], [232, 232])
+
+
+def supported(q: torch.Tensor, D: int, H: int) -> bool:
+    """bf16/fp16 CUDA tensors on sm_90, D = 512 and H >= 64 (as the Gluon forward)."""
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and D == 512 and H >= 64):
+        return False
+    props = cuda_properties(q.device)
+    return (props.major, props.minor) == (9, 0)
+
+
+def launch_main(q, kv, indices, grad_out, lse, delta, grad_q, grad_kv, partial, T, H, N, K, t_begin, n_tok,
+                scale, scale_log2, n_hb):
+    """One chunk of tokens [t_begin, t_begin + n_tok): the Triton main kernel's contract."""
+    n_tiles = n_tok * n_hb
+    grid = (min(n_tiles, cuda_properties(q.device).multi_processor_count),)
+    _bwd_main_gluon_kernel[grid](
+        q, kv, indices, grad_out, lse, delta, grad_q, grad_kv,
+        partial if partial is not None else grad_kv,
+        T, H, N, K, t_begin, n_tiles,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
+        grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
+        scale, scale_log2,
+        D=q.shape[2], ATOMIC=partial is None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+    )
