@@ -2,10 +2,11 @@
 
 Forward: the Gluon kernel (``forward_gluon``) on sm_90 for D = 512 and H >= 64, the
 Triton kernel (``forward``) for the other shapes it takes. Backward: the Triton
-kernels (``backward``). A call no kernel takes (float32/float64 inputs, a head dim
-outside SUPPORTED_D) runs the exact reference on the GPU after a one-time warning:
-slower, never wrong. If the Gluon kernel fails to build (Gluon's API moves between
-Triton releases) the Triton kernel takes over, also after a one-time warning.
+kernels (``backward``), whose main kernel is the Gluon one (``backward_gluon``) on the
+same shapes as the Gluon forward. A call no kernel takes (float32/float64 inputs, a
+head dim outside SUPPORTED_D) runs the exact reference on the GPU after a one-time
+warning: slower, never wrong. If a Gluon kernel fails to build (Gluon's API moves
+between Triton releases) the Triton kernel takes over, also after a one-time warning.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from . import forward as _fwd
 from .common import unsupported_reason, warn_once
 
 _deterministic = True
-_gluon_broken = False
+_gluon_broken = {"fwd": False, "bwd": False}
 
 
 def set_deterministic_backward(enabled: bool) -> None:
@@ -44,25 +45,39 @@ def _fallback(which: str, q, D: int) -> bool:
     return True
 
 
+def _gluon_module(which: str):
+    """``forward_gluon`` / ``backward_gluon``, or None (after a warning) if this Triton
+    lacks Gluon's Hopper API or the kernel failed to build once."""
+    if _gluon_broken[which]:
+        return None
+    try:
+        if which == "fwd":
+            from . import forward_gluon as mod
+        else:
+            from . import backward_gluon as mod
+    except ImportError as e:
+        _gluon_broken[which] = True
+        warn_once(f"gluon-import-{which}", f"dsv4.sparse_mla_{which}: Gluon kernel unavailable ({e}); "
+                  "using Triton.")
+        return None
+    return mod
+
+
+def _gluon_failed(which: str, e: Exception) -> None:
+    _gluon_broken[which] = True
+    warn_once(f"gluon-build-{which}", f"dsv4.sparse_mla_{which}: Gluon kernel failed to build "
+              f"({type(e).__name__}: {str(e)[:200]}); using the Triton kernel.")
+
+
 def _gluon_forward(q, kv, indices, attn_sink, p):
     """The Gluon forward, or None where it does not apply or cannot be built."""
-    global _gluon_broken
-    if _gluon_broken:
+    mod = _gluon_module("fwd")
+    if mod is None or not mod.supported(q, p.D, p.H):
         return None
     try:
-        from . import forward_gluon
-    except ImportError as e:  # a Triton without Gluon's Hopper API
-        _gluon_broken = True
-        warn_once("gluon-import", f"dsv4.sparse_mla_fwd: Gluon kernel unavailable ({e}); using Triton.")
-        return None
-    if not forward_gluon.supported(q, p.D, p.H):
-        return None
-    try:
-        return forward_gluon.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale)
+        return mod.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale)
     except Exception as e:  # compilation errors surface at the first launch
-        _gluon_broken = True
-        warn_once("gluon-build", f"dsv4.sparse_mla_fwd: Gluon kernel failed to build ({type(e).__name__}: "
-                  f"{str(e)[:200]}); using the Triton kernel.")
+        _gluon_failed("fwd", e)
         return None
 
 
@@ -78,5 +93,12 @@ def forward(q, kv, indices, attn_sink, p):
 def backward(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p):
     if _fallback("bwd", q, p.D):
         return reference.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p.scale)
+    mod = _gluon_module("bwd")
+    if mod is not None and mod.supported(q, p.D, p.H):
+        try:
+            return _bwd.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p.scale,
+                                       deterministic=_deterministic, gluon=True)
+        except Exception as e:  # compilation errors surface at the first launch
+            _gluon_failed("bwd", e)
     return _bwd.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p.scale,
                                deterministic=_deterministic)
