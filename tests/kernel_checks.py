@@ -109,7 +109,8 @@ def check_forward(c: Case, device, fwd=None):
     return errs
 
 
-def check_backward(c: Case, device, deterministic=True, with_dlse=True):
+def check_backward(c: Case, device, deterministic=True, with_dlse=True, gluon=False):
+    """``gluon``: the Gluon main kernel (sm_90, D = 512, H >= 64) instead of the Triton one."""
     q, kv, idx, sink = make_case(c, device)
     out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5)
     do = torch.randn_like(out)
@@ -122,7 +123,7 @@ def check_backward(c: Case, device, deterministic=True, with_dlse=True):
         lse = torch.stack([lse, torch.full_like(lse, 1e4)], 2).flatten(1)[:, ::2]
     dq = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
     gq, gkv, gs = kbwd.sparse_mla_bwd(do, dlse, q, kv, out, lse, idx, sink, c.D ** -0.5,
-                                      deterministic=deterministic, grad_q=dq)
+                                      deterministic=deterministic, grad_q=dq, gluon=gluon)
     rq, rkv, rs = oracle_bwd(do, dlse, q, kv, idx, sink)
     tol = TOL[c.dtype]
     errs = dict(dq=relerr(gq, rq), dkv=relerr(gkv, rkv))

@@ -54,6 +54,7 @@ def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stag
         mma_sync=len(re.findall(r"\bmma\.sync", ptx)),
         registers=None,
         spill_bytes=None,
+        wgmma_serialized=None,
     )
     ptxas = _ptxas() if run_ptxas else None
     if ptxas:
@@ -68,6 +69,8 @@ def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stag
             res["registers"] = int(m.group(1)) if m else None
             m = re.search(r"(\d+) bytes spill stores", log)
             res["spill_bytes"] = int(m.group(1)) if m else None
+            # ptxas info C7512: too few registers, so every wgmma waits for the previous one
+            res["wgmma_serialized"] = "wgmma.mma_async instructions are serialized" in log
     return res
 
 
@@ -103,3 +106,11 @@ def compile_forward_gluon(has_sink=True, run_ptxas=True) -> dict:
     consts = dict(D=512, HAS_SINK=has_sink)
     return compile_sm90(G._sparse_mla_fwd_gluon_kernel, FWD_TYPES, consts, G.NUM_WARPS, 1,
                         FWD_DIV16, run_ptxas, maxnreg=G.MAXNREG)
+
+
+def compile_backward_gluon(atomic=False, run_ptxas=True) -> dict:
+    from dsv4_sparse_attn.kernels import backward_gluon as G
+
+    consts = dict(D=512, ATOMIC=atomic)
+    return compile_sm90(G._bwd_main_gluon_kernel, BWD_TYPES, consts, G.NUM_WARPS, 1, BWD_DIV16, run_ptxas,
+                        maxnreg=G.MAXNREG)

@@ -78,34 +78,54 @@ def test_backward_matches_reference(case, deterministic):
     check_backward(case, DEV, deterministic=deterministic)
 
 
+def _gluon_bwd_or_skip(H=64, D=512):
+    from dsv4_sparse_attn.kernels import backward_gluon
+
+    if not backward_gluon.supported(torch.empty(1, H, D, device=DEV, dtype=BF), D, H):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU (H100/H200)")
+
+
+@pytest.mark.parametrize("case", GLUON_CASES + [Case(64, 128, 512, 300, 256, ids="shared")], ids=str)
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+def test_gluon_backward_matches_reference(case, deterministic):
+    _gluon_bwd_or_skip(case.H)
+    check_backward(case, DEV, deterministic=deterministic, gluon=True)
+
+
 def test_backward_without_grad_lse():
     check_backward(Case(16, 64, 512, 200, 160, ids="deepseek"), DEV, with_dlse=False)
 
 
-def test_backward_chunked_equals_unchunked(monkeypatch):
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+def test_backward_chunked_equals_unchunked(monkeypatch, gluon):
     """A tiny partial-buffer budget forces one token per chunk: same gradients up to the
     fp32 summation order (chunking changes the order, so not bitwise)."""
     from helpers import relerr
 
+    if gluon:
+        _gluon_bwd_or_skip()
     c = Case(12, 64, 512, 80, 70, ids="dup")
     q, kv, idx, sink = make_case(c, DEV)
     out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5)
     do, dl = torch.randn_like(out), torch.randn_like(lse)
-    a = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5)
+    a = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, gluon=gluon)
     monkeypatch.setattr(kbwd, "PARTIAL_BYTES", 1)
-    b = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5)
+    b = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, gluon=gluon)
     assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])  # grad_q, grad_sink: no chunk dependence
     assert relerr(b[1], a[1]) < 1e-2  # grad_kv: bf16 rounding of fp32 sums in another order
 
 
-def test_backward_is_deterministic():
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+def test_backward_is_deterministic(gluon):
     """Two runs on the same inputs give bitwise-identical gradients (heavily shared rows)."""
+    if gluon:
+        _gluon_bwd_or_skip()
     c = Case(256, 128, 512, 300, 256, ids="shared")
     q, kv, idx, sink = make_case(c, DEV)
     out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5)
     do, dl = torch.randn_like(out), torch.randn_like(lse)
-    a = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5)
-    b = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5)
+    a = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, gluon=gluon)
+    b = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, gluon=gluon)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
@@ -116,7 +136,7 @@ def _n_compiled(jit_fn) -> int:
 
 def test_no_recompile_when_T_K_N_change():
     """T, N and K are runtime values: three sequence lengths / top-ks compile each kernel once."""
-    from dsv4_sparse_attn.kernels import forward_gluon
+    from dsv4_sparse_attn.kernels import backward_gluon, forward_gluon
 
     gluon = forward_gluon.supported(torch.empty(1, 64, 512, device=DEV, dtype=BF), 512, 64)
     shapes = [(100, 64, 160), (257, 64, 129), (1031, 64, 47)]
@@ -127,9 +147,12 @@ def test_no_recompile_when_T_K_N_change():
         if gluon:
             check_forward(c, DEV, fwd=forward_gluon.sparse_mla_fwd)
         check_backward(c, DEV)
+        if gluon:
+            check_backward(c, DEV, gluon=True)
         sizes = (_n_compiled(kfwd._sparse_mla_fwd_kernel), _n_compiled(kbwd._bwd_main_kernel),
                  _n_compiled(kbwd._dkv_reduce_kernel), _n_compiled(kbwd._bwd_delta_kernel),
-                 _n_compiled(forward_gluon._sparse_mla_fwd_gluon_kernel))
+                 _n_compiled(forward_gluon._sparse_mla_fwd_gluon_kernel),
+                 _n_compiled(backward_gluon._bwd_main_gluon_kernel))
         if sizes_before is not None:
             assert sizes == sizes_before, f"recompiled at T={T}, K={K}: {sizes_before} -> {sizes}"
         sizes_before = sizes
@@ -178,7 +201,13 @@ def test_ops_dispatch_to_kernel_and_fallback():
     out, lse = torch.ops.dsv4.sparse_mla(q, kv, idx, sink)
     ro, rl = oracle_fwd(q, kv, idx, sink)
     assert relerr(out, ro) < TOL[BF]["out"]
-    assert not dispatch._gluon_broken, "the Gluon forward failed to build and fell back to Triton"
+    assert not any(dispatch._gluon_broken.values()), "a Gluon kernel failed to build; Triton took over"
+    q.requires_grad_(True)
+    kv.requires_grad_(True)
+    torch.ops.dsv4.sparse_mla(q, kv, idx, sink)[0].float().square().sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
+    assert not any(dispatch._gluon_broken.values()), "the Gluon backward failed to build; Triton took over"
+    q, kv = q.detach(), kv.detach()
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         out32, _ = torch.ops.dsv4.sparse_mla(q.float(), kv.float(), idx, sink)
