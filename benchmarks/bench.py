@@ -23,6 +23,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import dsv4_sparse_attn  # noqa: E402,F401
 from dsv4_sparse_attn.kernels import backward as kbwd  # noqa: E402
+from dsv4_sparse_attn.kernels import backward_gluon  # noqa: E402
 from dsv4_sparse_attn.kernels import forward as kfwd  # noqa: E402
 from dsv4_sparse_attn.kernels import forward_gluon  # noqa: E402
 
@@ -111,9 +112,16 @@ def run_shape(T, H, K, D, label, with_torch=True, dev="cuda"):
         del go, gl_
 
     do, dl = torch.randn_like(out), torch.randn_like(lse)
-    for det in (True, False):  # deterministic: the fixed-point default; else fp32 atomics
-        tag = "bwd" if det else "bwd_atomic"
-        bwd = lambda: kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, scale, deterministic=det)
+    # The default backward (what the op runs): the Gluon main kernel where it applies
+    # (D=512, H>=64, sm_90), else the Triton one; "triton_" rows time the Triton main
+    # kernel on the same shapes for comparison.
+    gluon_bwd = backward_gluon.supported(q, D, H)
+    kinds = [("", gluon_bwd)] + ([("triton_", False)] if gluon_bwd else [])
+    for (prefix, use_gluon), det in itertools.product(kinds, (True, False)):
+        # deterministic: the sorted per-row sum (default); else fp32 atomics
+        tag = prefix + ("bwd" if det else "bwd_atomic")
+        bwd = lambda: kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, scale, deterministic=det,
+                                          gluon=use_gluon)
         g = bwd()
         row[f"{tag}_ms"] = bench(bwd)
         row[f"{tag}_tflops"] = fl_b / row[f"{tag}_ms"] * 1e-9
@@ -196,8 +204,8 @@ def sweep(T, D, dev="cuda", which="all"):
 
 def table(rows):
     hdr = ("| shape | H | K | fwd ms | fwd TFLOPS | Gluon fwd ms (TFLOPS) | fwd extra GiB | bwd ms | bwd TFLOPS | bwd extra GiB "
-           "| bwd atomic ms | bwd atomic TFLOPS | torch fwd ms (TFLOPS, extra GiB) | step ms ours / torch "
-           "(speedup) |")
+           "| bwd atomic ms | bwd atomic TFLOPS | Triton-main bwd TFLOPS det / atomic "
+           "| torch fwd ms (TFLOPS, extra GiB) | step ms ours / torch (speedup) |")
     lines = [hdr, "|" + "---|" * (hdr.count("|") - 1)]
     for r in rows:
         tf = 4 * r["T"] * r["H"] * r["K"] * r["D"]
@@ -210,7 +218,10 @@ def table(rows):
             + (f"{r['gluon_fwd_ms']:.3f} ({r['gluon_fwd_tflops']:.0f}) | " if "gluon_fwd_ms" in r else "- | ")
             + f"{max(r['fwd_extra_gib'], r.get('gluon_fwd_extra_gib', 0.0)):.2f} | "
             f"{r['bwd_ms']:.3f} | {r['bwd_tflops']:.0f} | {r['bwd_extra_gib']:.2f} | "
-            f"{r['bwd_atomic_ms']:.3f} | {r['bwd_atomic_tflops']:.0f} | {torch_col} | {step_col} |")
+            f"{r['bwd_atomic_ms']:.3f} | {r['bwd_atomic_tflops']:.0f} | "
+            + (f"{r['triton_bwd_tflops']:.0f} / {r['triton_bwd_atomic_tflops']:.0f} | " if "triton_bwd_ms" in r
+               else "(same) | ")
+            + f"{torch_col} | {step_col} |")
     return "\n".join(lines)
 
 

@@ -10,11 +10,11 @@ python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', t
 case "${1:-tests}" in
 tests)
   # The CPU-only files (expecttest is not installed there) are covered by CI.
-  timeout 330 python3 -m pytest -q -rs tests/test_kernels_gpu.py tests/test_compile.py \
+  timeout 420 python3 -m pytest -q -rs tests/test_kernels_gpu.py tests/test_compile.py \
     tests/test_cuda_graphs.py tests/test_fsdp.py tests/test_checkpointing.py tests/test_modules.py \
     2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
-  timeout 120 python3 opcheck/run_opcheck.py --device cuda 2>&1 | tail -5 | tee "$OUT/opcheck_cuda.log"
-  timeout 100 python3 examples/train_block.py --steps 300 --out "$OUT/loss.png" 2>&1 | tail -5
+  timeout 90 python3 opcheck/run_opcheck.py --device cuda 2>&1 | tail -5 | tee "$OUT/opcheck_cuda.log"
+  timeout 60 python3 examples/train_block.py --steps 300 --out "$OUT/loss.png" 2>&1 | tail -5
   ;;
 bench)
   timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_case.py \

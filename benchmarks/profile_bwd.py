@@ -1,6 +1,6 @@
 """Where the backward's time goes: CUDA time per kernel (torch.profiler), both modes.
 
-    python benchmarks/profile_bwd.py [--shapes 0,1]
+    python benchmarks/profile_bwd.py [--shapes 0,1] [--triton-main]
 
 Same inputs as bench.py (T=4096, D=512, DeepSeek ids). Prints, per shape and mode,
 each kernel's total CUDA time over one backward call.
@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(__file__))
 from bench import SHAPES, make_inputs  # noqa: E402
 from dsv4_sparse_attn.kernels import backward as kbwd  # noqa: E402
+from dsv4_sparse_attn.kernels import backward_gluon  # noqa: E402
 from dsv4_sparse_attn.kernels import forward as kfwd  # noqa: E402
 
 
@@ -24,6 +25,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--shapes", default="0,1")
+    ap.add_argument("--triton-main", action="store_true", help="the Triton main kernel, not the Gluon one")
     a = ap.parse_args()
     T, D = a.T, 512
     for i in a.shapes.split(","):
@@ -31,9 +33,10 @@ def main():
         q, kv, idx, sink = make_inputs(T, H, K, D)
         out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
         do, dl = torch.randn_like(out), torch.randn_like(lse)
+        gluon = backward_gluon.supported(q, D, H) and not a.triton_main
         for det in (True, False):
             run = lambda: kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, D ** -0.5,
-                                              deterministic=det)
+                                              deterministic=det, gluon=gluon)
             run()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:

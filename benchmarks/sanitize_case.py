@@ -9,6 +9,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from dsv4_sparse_attn.kernels import backward as kbwd  # noqa: E402
+from dsv4_sparse_attn.kernels import backward_gluon  # noqa: E402
 from dsv4_sparse_attn.kernels import forward as kfwd  # noqa: E402
 from dsv4_sparse_attn.kernels import forward_gluon  # noqa: E402
 
@@ -28,5 +29,9 @@ for H, D in ((128, 512), (100, 512), (16, 512), (5, 128)):
     do, dl = torch.randn_like(out), torch.randn_like(lse)
     for det in (True, False):
         g = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, D ** -0.5, deterministic=det)
+        if backward_gluon.supported(q, D, H):  # the default main kernel for D=512, H>=64 on sm_90
+            gg = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, D ** -0.5, deterministic=det,
+                                     gluon=True)
+            assert all(torch.isfinite(x).all() for x in gg)
     torch.cuda.synchronize()
     print("H", H, "D", D, "ok", bool(torch.isfinite(out).all()), bool(torch.isfinite(g[0]).all()))
