@@ -255,8 +255,10 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         from . import backward_gluon
         cfg = BwdConfig(64, 64, backward_gluon.NUM_WARPS, 1)
     n_hb = triton.cdiv(H, cfg.BLOCK_H)
-    # The Gluon kernel writes its partial rows unmasked, in whole 64-slot blocks.
+    # The Gluon kernel writes its partial rows unmasked, in whole 64-slot blocks, and
+    # (deterministic, n_hb even) one row per pair of head blocks.
     k_stride = triton.cdiv(K, 64) * 64 if gluon else K
+    n_part = n_hb // 2 if gluon and backward_gluon.pairs_head_blocks(n_hb, deterministic) else n_hb
     dot_fp32 = interpreting(dev)
 
     if grad_q is None:  # tests pass a poisoned buffer to catch unwritten elements
@@ -272,9 +274,9 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             D=D, BLOCK_H=dh, HAS_DLSE=grad_lse is not None, num_warps=4,
         )
 
-    def launch(t_begin: int, n_tok: int, partial: torch.Tensor | None):
+    def launch(t_begin: int, n_tok: int, partial: torch.Tensor | None, flags: torch.Tensor | None = None):
         if gluon:
-            backward_gluon.launch_main(q, kv, indices, grad_out, lse, delta, grad_q, grad_kv, partial,
+            backward_gluon.launch_main(q, kv, indices, grad_out, lse, delta, grad_q, grad_kv, partial, flags,
                                        T, H, N, K, t_begin, n_tok, scale, scale * LOG2E, n_hb)
             return
         _bwd_main_kernel[(n_tok, n_hb)](
@@ -289,11 +291,14 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         )
 
     if T > 0 and not deterministic:
-        launch(0, T, None)
+        launch(0, T, None, torch.zeros((1,), dtype=torch.int32, device=dev) if gluon else None)
     elif T > 0:
         n_sm = cuda_properties(dev).multi_processor_count if dev.type == "cuda" else 0
-        chunk = chunk_tokens(T, n_hb, k_stride, D, PARTIAL_BYTES, n_sm)
-        partial = torch.empty((chunk, n_hb, k_stride, D), dtype=torch.float32, device=dev)
+        chunk = chunk_tokens(T, n_part, k_stride, D, PARTIAL_BYTES, n_sm)
+        partial = torch.empty((chunk, n_part, k_stride, D), dtype=torch.float32, device=dev)
+        # The Gluon kernel's per-chunk ticket counter and pair counts (all zero at launch).
+        n_chunks = triton.cdiv(T, chunk)
+        flags = torch.zeros((n_chunks, 1 + chunk * n_hb), dtype=torch.int32, device=dev) if gluon else None
         # Sort keys as narrow as N allows: the radix sort makes one pass per key byte
         # (int64 keys: 8 passes, int16: 2).
         key_dtype = torch.int16 if N < 2**15 - 1 else torch.int32 if N < 2**31 - 1 else torch.int64
@@ -301,14 +306,14 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         block_d = min(D, 256)
         for t0 in range(0, T, chunk):
             n_tok = min(chunk, T - t0)
-            launch(t0, n_tok, partial)
+            launch(t0, n_tok, partial, flags[t0 // chunk] if gluon else None)
             # Invert the chunk's ids: entries sorted by kv row (stable: fixed order).
             ids = indices[t0:t0 + n_tok].reshape(-1)
             ids = torch.where((ids >= 0) & (ids < N), ids, N).to(key_dtype)
             sorted_ids, order = torch.sort(ids, stable=True)
             seg = torch.searchsorted(sorted_ids, rows)
             _dkv_reduce_kernel[(N, D // block_d)](
-                partial, order, seg, grad_kv, K, k_stride, n_hb,
+                partial, order, seg, grad_kv, K, k_stride, n_part,
                 D=D, BLOCK_D=block_d, BLOCK_E=16, num_warps=4,
             )
 

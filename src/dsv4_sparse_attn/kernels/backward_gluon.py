@@ -70,13 +70,13 @@ def _load_ids(idx_row, k0, K, offs):
 
 @gluon.jit
 def _producer(Q, DO, KV, IDX, H, N, K, t_begin, n_tiles, stride_qt, stride_qh, stride_dt, stride_dh,
-              stride_kvn, stride_it, q_smem, do_smem, kv_smem, bars, nb):
+              stride_kvn, stride_it, q_smem, do_smem, kv_smem, bars, nb, rank):
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte copies
     offs_d = gl.arange(0, _QD, layout=gl.SliceLayout(0, ld))
     offs_r = gl.arange(0, _BK, layout=gl.SliceLayout(1, ld))
     n_hb = gl.cdiv(H, _BH)
     tcount = 0
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+    for tile in range(rank, n_tiles, gl.num_programs(0)):
         pid_t = t_begin + (tile // n_hb).to(gl.int64)
         pid_h = tile % n_hb
         # q and dO of this tile, once both consumers are done with the previous tile's
@@ -117,15 +117,15 @@ def _producer(Q, DO, KV, IDX, H, N, K, t_begin, n_tiles, stride_qt, stride_qh, s
 @gluon.jit
 def _consumer(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt,
               stride_gt, stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb,
-              WG: gl.constexpr, ATOMIC: gl.constexpr):
+              FLAGS, rank, paired, WG: gl.constexpr, ATOMIC: gl.constexpr):
     n_hb = gl.cdiv(H, _BH)
     tcount = 0
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+    for tile in range(rank, n_tiles, gl.num_programs(0)):
         pid_c = (tile // n_hb).to(gl.int64)  # token within the chunk
         pid_h = tile % n_hb
         _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_lt, stride_gt, stride_gh,
                       scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb,
-                      pid_c, t_begin + pid_c, pid_h, n_hb, tcount, WG, ATOMIC)
+                      pid_c, t_begin + pid_c, pid_h, n_hb, tcount, FLAGS, paired, WG, ATOMIC)
         tcount += 1
 
 
@@ -140,13 +140,18 @@ def _dkv_piece(p_smem, ds_smem, do_smem, q_smem, quarter, hh: gl.constexpr, zero
 
 
 @gluon.jit
-def _store_piece(row_ptr, offs_d, acc, mask, ATOMIC: gl.constexpr):
-    """acc[slot, c] to row_ptr[slot] + c: fp32 atomics into grad_kv, or partial-row stores."""
+def _store_piece(row_ptr, offs_d, acc, mask, follower, paired, ATOMIC: gl.constexpr):
+    """acc[slot, c] to row_ptr[slot] + c: fp32 atomics into grad_kv, or partial rows:
+    stored, or (the follower of a head-block pair) added once to the leader's."""
     ptrs = row_ptr[:, None] + offs_d[None, :]
     if ATOMIC:
         gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
     elif _DIAG & 1:  # diagnostic: stores masked off at run time
         gl.store(ptrs, acc, mask=mask)
+    elif follower:
+        gl.atomic_add(ptrs, acc, sem="relaxed")
+    elif paired:  # the follower adds to these rows shortly: keep them in L2
+        gl.store(ptrs, acc)
     else:  # streaming: each partial row is read once, by the reduction (+5%)
         gl.store(ptrs, acc, cache_modifier=".cs")
 
@@ -154,7 +159,7 @@ def _store_piece(row_ptr, offs_d, acc, mask, ATOMIC: gl.constexpr):
 @gluon.jit
 def _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_lt, stride_gt, stride_gh,
                   scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb,
-                  pid_c, pid_t, pid_h, n_hb, tcount, WG: gl.constexpr, ATOMIC: gl.constexpr):
+                  pid_c, pid_t, pid_h, n_hb, tcount, FLAGS, paired, WG: gl.constexpr, ATOMIC: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1)."""
     D: gl.constexpr = 4 * _QD
     dtype: gl.constexpr = q_smem.dtype
@@ -186,6 +191,17 @@ def _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_
     dq0 = dq_zero
     dq1 = dq_zero
     g0 = tcount * nb
+    # Deterministic path with head blocks in pairs (``paired``, n_hb even): the even
+    # block of a pair stores its partial rows and counts, per consumer, the slot blocks
+    # it has published; the odd one waits for that count and adds its rows with one
+    # fp32 atomic each. Two addends: a + b is the same whichever lands first, so the
+    # result is bitwise deterministic, with one partial row per (token, slot) instead
+    # of two. The pair's tiles run side by side on neighbouring programs.
+    follower = (paired != 0) & (pid_h % 2 == 1)
+    leader = (paired != 0) & (pid_h % 2 == 0)
+    n_part = n_hb // (1 + paired)
+    part_h = pid_h // (1 + paired)
+    flag_ptr = FLAGS + 1 + (pid_c * n_part + part_h) * 2 + WG
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
     for j in range(0, nb):
@@ -243,22 +259,28 @@ def _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_
             # (the buffer's slot dim is padded to whole blocks: stores need no mask)
             # (j ^ z == j, but not an induction variable: LLVM would otherwise strength-reduce
             # every store address into its own loop-carried pointer)
-            row_ptr = PARTIAL + ((pid_c * n_hb + pid_h) * nb + (j ^ z)) * (_BK * D) + offs_kz * D
+            row_ptr = PARTIAL + ((pid_c * n_part + part_h) * nb + (j ^ z)) * (_BK * D) + offs_kz * D
         # Four 64-column pieces (32 registers each next to dQ's 128); each piece's stores
         # are issued while the next piece's wgmma runs.
         acc = _dkv_piece(p_smem, ds_smem, do_smem, q_smem, 2 * WG + z, 0, dkv_zero)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         nxt = _dkv_piece(p_smem, ds_smem, do_smem, q_smem, 2 * WG + z, 1, dkv_zero)
-        _store_piece(row_ptr + (2 * WG * _QD), offs_dd, acc, mask, ATOMIC)
+        if follower:  # the leader's rows of this block must be in place before I add to them
+            while gl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu") <= j:
+                pass
+        _store_piece(row_ptr + (2 * WG * _QD), offs_dd, acc, mask, follower, paired, ATOMIC)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         nxt = _dkv_piece(p_smem, ds_smem, do_smem, q_smem, 2 * WG + 1 + z, 0, dkv_zero)
-        _store_piece(row_ptr + (2 * WG * _QD + 64), offs_dd, acc, mask, ATOMIC)
+        _store_piece(row_ptr + (2 * WG * _QD + 64), offs_dd, acc, mask, follower, paired, ATOMIC)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         nxt = _dkv_piece(p_smem, ds_smem, do_smem, q_smem, 2 * WG + 1 + z, 1, dkv_zero)
-        _store_piece(row_ptr + ((2 * WG + 1) * _QD), offs_dd, acc, mask, ATOMIC)
+        _store_piece(row_ptr + ((2 * WG + 1) * _QD), offs_dd, acc, mask, follower, paired, ATOMIC)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         mbarrier.arrive(bars.index(_PDS_FREE))  # P and dS read for the last time
-        _store_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, mask, ATOMIC)
+        _store_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, mask, follower, paired, ATOMIC)
+        if leader:  # publish: every thread's stores of this block, then the count (release)
+            gl.thread_barrier()
+            gl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
 
     mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
 
@@ -275,44 +297,48 @@ def _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_
 @gluon.jit
 def _consumer0_partial(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt,
                        stride_gt, stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem,
-                       bars, nb):
+                       bars, nb, FLAGS, rank, paired):
     _consumer(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt,
-              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, 0, False)
+              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, FLAGS, rank,
+              paired, 0, False)
 
 
 @gluon.jit
 def _consumer1_partial(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt,
                        stride_gt, stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem,
-                       bars, nb):
+                       bars, nb, FLAGS, rank, paired):
     _consumer(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt,
-              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, 1, False)
+              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, FLAGS, rank,
+              paired, 1, False)
 
 
 @gluon.jit
 def _consumer0_atomic(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt,
                       stride_gt, stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem,
-                      bars, nb):
+                      bars, nb, FLAGS, rank, paired):
     _consumer(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt,
-              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, 0, True)
+              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, FLAGS, rank,
+              paired, 0, True)
 
 
 @gluon.jit
 def _consumer1_atomic(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt,
                       stride_gt, stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem,
-                      bars, nb):
+                      bars, nb, FLAGS, rank, paired):
     _consumer(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt,
-              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, 1, True)
+              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, FLAGS, rank,
+              paired, 1, True)
 
 
 # Same runtime integers as the Triton kernel (no recompile per T, N, H or K), plus the
 # chunk's tile count.
-_RUNTIME_INTS = ["T", "H", "N", "K", "t_begin", "n_tiles", "stride_it", "stride_lt"]
+_RUNTIME_INTS = ["T", "H", "N", "K", "t_begin", "n_tiles", "paired", "stride_it", "stride_lt"]
 
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_main_gluon_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, PARTIAL,
-    T, H, N, K, t_begin, n_tiles,
+    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, PARTIAL, FLAGS,
+    T, H, N, K, t_begin, n_tiles, paired,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh,
     stride_lt, stride_gt, stride_gh,
     scale, scale_log2,
@@ -338,10 +364,15 @@ def _bwd_main_gluon_kernel(
     mbarrier.init(bars.index(_PDS_FREE), count=2)
 
     nb = gl.cdiv(K, _BK)
+    # Programs take their rank from a ticket counter (FLAGS[0], zero at launch), not from
+    # program_id: the program holding a pair's odd tile then knows the one holding the
+    # even tile (the rank below) has started, so its wait always ends.
+    rank = gl.atomic_add(FLAGS, 1, sem="relaxed")
     c_args = (IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt,
-              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb)
+              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, FLAGS, rank,
+              paired)
     p_args = (Q, DO, KV, IDX, H, N, K, t_begin, n_tiles, stride_qt, stride_qh, stride_dt, stride_dh,
-              stride_kvn, stride_it, q_smem, do_smem, kv_smem, bars, nb)
+              stride_kvn, stride_it, q_smem, do_smem, kv_smem, bars, nb, rank)
     # The producer is the default partition (ptxas compiles it under MAXNREG; the
     # workers get setmaxnreg budgets): 3 x 168 = 40 + 232 + 232 registers a thread.
     if ATOMIC:
@@ -360,15 +391,25 @@ def supported(q: torch.Tensor, D: int, H: int) -> bool:
     return (props.major, props.minor) == (9, 0)
 
 
-def launch_main(q, kv, indices, grad_out, lse, delta, grad_q, grad_kv, partial, T, H, N, K, t_begin, n_tok,
-                scale, scale_log2, n_hb):
-    """One chunk of tokens [t_begin, t_begin + n_tok): the Triton main kernel's contract."""
+def pairs_head_blocks(n_hb: int, deterministic: bool) -> bool:
+    """Whether the deterministic path sums head blocks in pairs (one partial row per pair)."""
+    return deterministic and n_hb % 2 == 0
+
+
+def launch_main(q, kv, indices, grad_out, lse, delta, grad_q, grad_kv, partial, flags, T, H, N, K, t_begin,
+                n_tok, scale, scale_log2, n_hb):
+    """One chunk of tokens [t_begin, t_begin + n_tok): the Triton main kernel's contract,
+    except that with ``pairs_head_blocks`` the partial buffer holds one row per pair of
+    head blocks. ``flags``: int32 zeros, at least 1 + n_tok * n_hb (ticket and counts)."""
     n_tiles = n_tok * n_hb
-    grid = (min(n_tiles, cuda_properties(q.device).multi_processor_count),)
-    _bwd_main_gluon_kernel[grid](
+    paired = partial is not None and pairs_head_blocks(n_hb, True)
+    grid = min(n_tiles, cuda_properties(q.device).multi_processor_count)
+    if paired:  # an even program count keeps both tiles of a pair in the same round
+        grid -= grid % 2
+    _bwd_main_gluon_kernel[(grid,)](
         q, kv, indices, grad_out, lse, delta, grad_q, grad_kv,
-        partial if partial is not None else grad_kv,
-        T, H, N, K, t_begin, n_tiles,
+        partial if partial is not None else grad_kv, flags,
+        T, H, N, K, t_begin, n_tiles, int(paired),
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
