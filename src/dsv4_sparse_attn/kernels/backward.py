@@ -13,7 +13,10 @@ Three phases:
      faster, but the summation order (and so the last bits) varies run to run.
 3. grad_sink = -sum_t exp(sink - lse) * Delta, a [T, H] reduction in PyTorch.
 
-The chunk of tokens bounds the buffer (``PARTIAL_BYTES``) whatever T is.
+The chunk of tokens bounds the buffer (``PARTIAL_BYTES``) whatever T is. On sm_90 with
+D = 512 and H >= 64 the main kernel is the Gluon one (``backward_gluon``, ``gluon=True``),
+which pads each token's partial rows to whole 64-slot blocks and, with an even number of
+head blocks, keeps one row per pair of head blocks.
 """
 from __future__ import annotations
 

@@ -1,28 +1,32 @@
 """Gluon main kernel of the sparse-MLA backward for Hopper (sm_90), D = 512.
 
-A drop-in for ``backward._bwd_main_kernel`` (same arguments, same outputs: grad_q
-rounded once from fp32, and one fp32 dKV row per (token, 64-head block, slot) written
-to the deterministic path's partial buffer, or added to grad_kv with fp32 atomics).
-Warp-specialised and persistent: one program per SM walks the (token, head block)
-tiles of a token chunk, with three partitions of one warp group each:
+Takes the place of ``backward._bwd_main_kernel`` for D = 512, H >= 64 on sm_90 (same
+inputs; the same outputs: grad_q rounded once from fp32, and the block's dKV rows in
+fp32, either as partial rows for the deterministic path's sorted reduction or added to
+grad_kv with fp32 atomics). Warp-specialised and persistent: one program per SM walks
+the (token, 64-head block) tiles of a token chunk, with three partitions of one warp
+group each:
 
 - the producer loads a tile's q and dO (64 heads x 512, in four D quarters) and
   gathers the kv rows of every 64-slot block with cp.async into one buffer in two D
   halves; mbarriers signal both ways;
-- the two consumers take the blocks in turn (consumer 0 the even ones): the owner of a
-  block computes S = Q KV^T and dP = dO KV^T as full 64 x 64 wgmmas, then P and
-  dS = P (dP - Delta) scale, which it publishes in shared memory (bf16, the precision
-  the tensor cores take them in);
+- the two consumers take the blocks in turn (even blocks one, odd blocks the other):
+  the owner of a block computes S = Q KV^T and dP = dO KV^T as full 64 x 64 wgmmas,
+  then P and dS = P (dP - Delta) scale, which it publishes in shared memory (bf16, the
+  precision the tensor cores take them in);
 - both consumers then use every block's P and dS on their half of D: consumer c
   accumulates dQ[:, c*256:(c+1)*256] += dS KV (fp32, in registers for the whole tile),
-  releases its kv half, and forms the block's dKV rows for its two D quarters,
-  transposed (M = the 128 columns of the quarter, N = 64 slots, K = 64 heads):
-  dKV^T = dO^T P + Q^T dS. The next block's gather runs under those products.
+  releases its kv half (the next block's gather starts), and forms the block's dKV rows
+  for its half of D, 64 columns at a time: P^T dO + dS^T Q (M = 64 slots, K = 64
+  heads), each piece stored while the next one's wgmma runs.
 
 Nothing of S, dP or the matmuls is computed twice (the Triton kernel's 8-warp layout
-computes S and dP in both warp groups). Gluon has no interpreter: tested on the GPU
-(tests/test_kernels_gpu.py) and compiled for sm_90 in CI (tests/test_sm90_compile.py).
-Measurements: benchmarks/NOTES.md.
+computes S and dP in both warp groups). With an even number of head blocks the
+deterministic path keeps one partial row per pair of head blocks (``_consume_tile``).
+What bounds it now is the dKV stores: 571 TFLOPS at H128 K1152 without them, 319 with.
+
+Gluon has no interpreter: tested on the GPU (tests/test_kernels_gpu.py) and compiled
+for sm_90 in CI (tests/test_sm90_compile.py). Measurements: benchmarks/NOTES.md.
 """
 from __future__ import annotations
 
