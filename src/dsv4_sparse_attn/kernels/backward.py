@@ -253,10 +253,11 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     grad_out, out = last_dim_contiguous(grad_out), last_dim_contiguous(out)
     lse, grad_lse, attn_sink = (last_dim_contiguous(x) for x in (lse, grad_lse, attn_sink))
     dev = q.device
-    cfg = config or backward_config(D, H)
-    if gluon:
+    if gluon:  # (its blocks are fixed: 64 heads x 64 slots, 3 partitions of NUM_WARPS)
         from . import backward_gluon
         cfg = BwdConfig(64, 64, backward_gluon.NUM_WARPS, 1)
+    else:
+        cfg = config or backward_config(D, H)
     n_hb = triton.cdiv(H, cfg.BLOCK_H)
     # The Gluon kernel writes its partial rows unmasked, in whole 64-slot blocks, and
     # (deterministic, n_hb even) one row per pair of head blocks.

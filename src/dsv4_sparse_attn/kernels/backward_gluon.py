@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -43,7 +42,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .backward import _MAIN_RUNTIME_INTS
 from .common import cuda_properties
+from .forward_gluon import _load_ids, supported
+
+# ``supported``: the Gluon forward's shape rule (sm_90, bf16/fp16, D = 512, H >= 64) is
+# this kernel's too; the dispatcher and the tests ask ``backward_gluon.supported``.
+__all__ = ["launch_main", "pairs_head_blocks", "supported"]
 
 NUM_WARPS = 4  # per partition; the kernel runs 3 partitions (12 warps)
 MAXNREG = 168  # 12 warps x 32 threads x 168 registers fit the 64K register file
@@ -63,13 +68,6 @@ _DIAG = gl.constexpr(int(os.environ.get("DSV4_BWD_DIAG", "0")))
 _BH = gl.constexpr(64)  # heads of a tile
 _BK = gl.constexpr(64)  # slots of a block
 _QD = gl.constexpr(128)  # D quarter: D = 512 only
-
-
-@gluon.jit
-def _load_ids(idx_row, k0, K, offs):
-    """Ids of slots k0 + offs (-1 past K), in the layout of ``offs``."""
-    offs_k = k0 + offs
-    return gl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
 
 
 @gluon.jit
@@ -335,8 +333,8 @@ def _consumer1_atomic(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_til
 
 
 # Same runtime integers as the Triton kernel (no recompile per T, N, H or K), plus the
-# chunk's tile count.
-_RUNTIME_INTS = ["T", "H", "N", "K", "t_begin", "n_tiles", "paired", "stride_it", "stride_lt"]
+# chunk's tile count and the pairing switch.
+_RUNTIME_INTS = _MAIN_RUNTIME_INTS + ["n_tiles", "paired"]
 
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
@@ -385,14 +383,6 @@ def _bwd_main_gluon_kernel(
     else:
         gl.warp_specialize([(_producer, p_args), (_consumer0_partial, c_args), (_consumer1_partial, c_args)],
                            [4, 4], [232, 232])
-
-
-def supported(q: torch.Tensor, D: int, H: int) -> bool:
-    """bf16/fp16 CUDA tensors on sm_90, D = 512 and H >= 64 (as the Gluon forward)."""
-    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and D == 512 and H >= 64):
-        return False
-    props = cuda_properties(q.device)
-    return (props.major, props.minor) == (9, 0)
 
 
 def pairs_head_blocks(n_hb: int, deterministic: bool) -> bool:
