@@ -6,9 +6,12 @@ kernels (``backward``), whose main kernel is the Gluon one (``backward_gluon``) 
 same shapes as the Gluon forward. A call no kernel takes (float32/float64 inputs, a
 head dim outside SUPPORTED_D) runs the exact reference on the GPU after a one-time
 warning: slower, never wrong. If a Gluon kernel fails to build (Gluon's API moves
-between Triton releases) the Triton kernel takes over, also after a one-time warning.
+between Triton releases) the Triton kernel takes over, also after a one-time warning;
+any other error of a Gluon launch (out of memory, a CUDA error) reaches the caller.
 """
 from __future__ import annotations
+
+from triton.errors import TritonError
 
 from .. import reference
 from . import backward as _bwd
@@ -63,7 +66,17 @@ def _gluon_module(which: str):
     return mod
 
 
+def _is_build_error(e: Exception) -> bool:
+    """Whether ``e`` says the Gluon kernel cannot be built or launched on this GPU
+    (Triton's compile errors, ptxas, too little shared memory, an MLIR pass failure),
+    as opposed to a failure of this call (out of memory, a CUDA error, bad input):
+    only the former hands the shape over to Triton for the rest of the process."""
+    return isinstance(e, TritonError) or (isinstance(e, RuntimeError) and "PassManager::run failed" in str(e))
+
+
 def _gluon_failed(which: str, e: Exception) -> None:
+    if not _is_build_error(e):
+        raise e
     _gluon_broken[which] = True
     warn_once(f"gluon-build-{which}", f"dsv4.sparse_mla_{which}: Gluon kernel failed to build "
               f"({type(e).__name__}: {str(e)[:200]}); using the Triton kernel.")
@@ -77,7 +90,7 @@ def _gluon_forward(q, kv, indices, attn_sink, p):
     try:
         return mod.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale)
     except Exception as e:  # compilation errors surface at the first launch
-        _gluon_failed("fwd", e)
+        _gluon_failed("fwd", e)  # (re-raises anything else)
         return None
 
 
@@ -99,6 +112,6 @@ def backward(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p):
             return _bwd.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p.scale,
                                        deterministic=_deterministic, gluon=True)
         except Exception as e:  # compilation errors surface at the first launch
-            _gluon_failed("bwd", e)
+            _gluon_failed("bwd", e)  # (re-raises anything else)
     return _bwd.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p.scale,
                                deterministic=_deterministic)
