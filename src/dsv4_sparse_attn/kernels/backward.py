@@ -262,7 +262,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     # The Gluon kernel writes its partial rows unmasked, in whole 64-slot blocks, and
     # (deterministic, n_hb even) one row per pair of head blocks.
     k_stride = triton.cdiv(K, 64) * 64 if gluon else K
-    n_part = n_hb // 2 if gluon and backward_gluon.pairs_head_blocks(n_hb, deterministic) else n_hb
+    paired = gluon and backward_gluon.pairs_head_blocks(n_hb, deterministic)
+    n_part = n_hb // 2 if paired else n_hb
     dot_fp32 = interpreting(dev)
 
     if grad_q is None:  # tests pass a poisoned buffer to catch unwritten elements
@@ -281,7 +282,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     def launch(t_begin: int, n_tok: int, partial: torch.Tensor | None, flags: torch.Tensor | None = None):
         if gluon:
             backward_gluon.launch_main(q, kv, indices, grad_out, lse, delta, grad_q, grad_kv, partial, flags,
-                                       T, H, N, K, t_begin, n_tok, scale, scale * LOG2E, n_hb)
+                                       T, H, N, K, t_begin, n_tok, scale, scale * LOG2E, n_hb, paired)
             return
         _bwd_main_kernel[(n_tok, n_hb)](
             q, kv, indices, grad_out, lse, delta, grad_q, grad_kv,

@@ -391,12 +391,14 @@ def pairs_head_blocks(n_hb: int, deterministic: bool) -> bool:
 
 
 def launch_main(q, kv, indices, grad_out, lse, delta, grad_q, grad_kv, partial, flags, T, H, N, K, t_begin,
-                n_tok, scale, scale_log2, n_hb):
+                n_tok, scale, scale_log2, n_hb, paired):
     """One chunk of tokens [t_begin, t_begin + n_tok): the Triton main kernel's contract,
-    except that with ``pairs_head_blocks`` the partial buffer holds one row per pair of
-    head blocks. ``flags``: int32 zeros, at least 1 + n_tok * n_hb (ticket and counts)."""
+    except that with ``paired`` (the caller's ``pairs_head_blocks``; partial rows only)
+    the partial buffer holds one row per pair of head blocks. ``flags``: int32 zeros, at
+    least 1 + n_tok * n_hb (ticket and counts)."""
     n_tiles = n_tok * n_hb
-    paired = partial is not None and pairs_head_blocks(n_hb, True)
+    if paired and (partial is None or n_hb % 2):
+        raise ValueError("head blocks pair up only on the partial-row path, with an even count")
     grid = min(n_tiles, cuda_properties(q.device).multi_processor_count)
     if paired:  # an even program count keeps both tiles of a pair in the same round
         grid -= grid % 2
