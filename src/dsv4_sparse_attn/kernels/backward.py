@@ -237,7 +237,6 @@ def chunk_tokens(T: int, n_hb: int, K: int, D: int, budget: int, n_sm: int = 0) 
     return chunk
 
 
-
 def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scale,
                    deterministic: bool = True, config: BwdConfig | None = None,
                    grad_q: torch.Tensor | None = None, gluon: bool = False):

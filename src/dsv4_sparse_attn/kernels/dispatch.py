@@ -74,30 +74,28 @@ def _is_build_error(e: Exception) -> bool:
     return isinstance(e, TritonError) or (isinstance(e, RuntimeError) and "PassManager::run failed" in str(e))
 
 
-def _gluon_failed(which: str, e: Exception) -> None:
-    if not _is_build_error(e):
-        raise e
-    _gluon_broken[which] = True
-    warn_once(f"gluon-build-{which}", f"dsv4.sparse_mla_{which}: Gluon kernel failed to build "
-              f"({type(e).__name__}: {str(e)[:200]}); using the Triton kernel.")
-
-
-def _gluon_forward(q, kv, indices, attn_sink, p):
-    """The Gluon forward, or None where it does not apply or cannot be built."""
-    mod = _gluon_module("fwd")
+def _run_gluon(which: str, q, p, launch):
+    """``launch(module)`` with the Gluon module of ``which``, or None where that kernel
+    does not take the call or cannot be built here (then, once, a warning and the Triton
+    kernel for the rest of the process). Any other error reaches the caller."""
+    mod = _gluon_module(which)
     if mod is None or not mod.supported(q, p.D, p.H):
         return None
     try:
-        return mod.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale)
+        return launch(mod)
     except Exception as e:  # compilation errors surface at the first launch
-        _gluon_failed("fwd", e)  # (re-raises anything else)
+        if not _is_build_error(e):
+            raise
+        _gluon_broken[which] = True
+        warn_once(f"gluon-build-{which}", f"dsv4.sparse_mla_{which}: Gluon kernel failed to build "
+                  f"({type(e).__name__}: {str(e)[:200]}); using the Triton kernel.")
         return None
 
 
 def forward(q, kv, indices, attn_sink, p):
     if _fallback("fwd", q, p.D):
         return reference.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale)
-    res = _gluon_forward(q, kv, indices, attn_sink, p)
+    res = _run_gluon("fwd", q, p, lambda mod: mod.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale))
     if res is not None:
         return res
     return _fwd.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale)
@@ -106,12 +104,10 @@ def forward(q, kv, indices, attn_sink, p):
 def backward(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p):
     if _fallback("bwd", q, p.D):
         return reference.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p.scale)
-    mod = _gluon_module("bwd")
-    if mod is not None and mod.supported(q, p.D, p.H):
-        try:
-            return _bwd.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p.scale,
-                                       deterministic=_deterministic, gluon=True)
-        except Exception as e:  # compilation errors surface at the first launch
-            _gluon_failed("bwd", e)  # (re-raises anything else)
+    res = _run_gluon("bwd", q, p, lambda mod: _bwd.sparse_mla_bwd(
+        grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p.scale, deterministic=_deterministic,
+        gluon=True))
+    if res is not None:
+        return res
     return _bwd.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p.scale,
                                deterministic=_deterministic)
