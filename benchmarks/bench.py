@@ -112,13 +112,14 @@ def run_shape(T, H, K, D, label, with_torch=True, dev="cuda"):
         del go, gl_
 
     do, dl = torch.randn_like(out), torch.randn_like(lse)
-    # The default backward (what the op runs): the Gluon main kernel where it applies
-    # (D=512, H>=64, sm_90), else the Triton one; "triton_" rows time the Triton main
-    # kernel on the same shapes for comparison.
-    gluon_bwd = backward_gluon.supported(q, D, H)
-    kinds = [("", gluon_bwd)] + ([("triton_", False)] if gluon_bwd else [])
-    for (prefix, use_gluon), det in itertools.product(kinds, (True, False)):
+    # The default backward (what the op runs): the Gluon main kernel where the dispatcher
+    # picks it (sm_90, D=512; per mode, backward_gluon.supported), else the Triton one;
+    # "triton_" rows time the Triton main kernel on the same shapes for comparison.
+    gluon_bwd = {det: backward_gluon.supported(q, D, H, deterministic=det) for det in (True, False)}
+    kinds = [("", None)] + ([("triton_", False)] if any(gluon_bwd.values()) else [])
+    for (prefix, force), det in itertools.product(kinds, (True, False)):
         # deterministic: the sorted per-row sum (default); else fp32 atomics
+        use_gluon = gluon_bwd[det] if force is None else force
         tag = prefix + ("bwd" if det else "bwd_atomic")
         bwd = lambda: kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, scale, deterministic=det,
                                           gluon=use_gluon)

@@ -1,4 +1,4 @@
-"""The dispatcher's fallback policy (CPU: the kernels are replaced by stubs).
+"""The dispatcher's kernel choice and fallback policy (CPU: the kernels are replaced by stubs).
 
 A Gluon kernel that cannot be built hands its shapes to the Triton kernel for the rest
 of the process; any other failure of a Gluon launch (out of memory, a CUDA error) must
@@ -30,7 +30,7 @@ def gluon_eligible(monkeypatch):
     """Every call is Gluon-eligible; no Gluon kernel has failed; warnings are fresh."""
     monkeypatch.setattr(dispatch, "_gluon_broken", {"fwd": False, "bwd": False})
     monkeypatch.setattr(common, "_warned", set())
-    monkeypatch.setattr(backward_gluon, "supported", lambda q, D, H: True)
+    monkeypatch.setattr(backward_gluon, "supported", lambda q, D, H, deterministic=True: True)
     monkeypatch.setattr(forward_gluon, "supported", lambda q, D, H: True)
 
 
@@ -94,3 +94,31 @@ def test_forward_follows_the_same_policy(gluon_eligible, monkeypatch):
     with pytest.warns(RuntimeWarning, match="failed to build"):
         assert dispatch.forward(q, kv, idx, None, P) == "triton"
     assert dispatch._gluon_broken["fwd"]
+
+
+@pytest.mark.parametrize("H,fwd,bwd_det,bwd_atomic", [(1, False, True, False), (16, False, True, False),
+                                                       (17, True, True, True), (128, True, True, True)])
+def test_gluon_kernels_take_the_measured_head_counts(monkeypatch, H, fwd, bwd_det, bwd_atomic):
+    """On an sm_90 GPU (stubbed here): the Gluon forward from H = 17; the Gluon backward
+    main kernel at any H when deterministic, from H = 17 on the atomic path (NOTES.md)."""
+    monkeypatch.setattr(forward_gluon, "sm90_takes", lambda q, D: True)
+    monkeypatch.setattr(backward_gluon, "sm90_takes", lambda q, D: True)
+    q = torch.zeros(1, H, 512, dtype=torch.bfloat16)
+    assert forward_gluon.supported(q, 512, H) == fwd
+    assert backward_gluon.supported(q, 512, H) == bwd_det
+    assert backward_gluon.supported(q, 512, H, deterministic=False) == bwd_atomic
+
+
+def test_cpu_tensors_never_take_a_gluon_kernel():
+    q = torch.zeros(1, 64, 512, dtype=torch.bfloat16)
+    assert not forward_gluon.supported(q, 512, 64) and not backward_gluon.supported(q, 512, 64)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_backward_asks_the_gluon_rule_for_its_mode(gluon_eligible, monkeypatch, deterministic):
+    asked = []
+    monkeypatch.setattr(backward_gluon, "supported", lambda q, D, H, **rule: asked.append(rule) or False)
+    monkeypatch.setattr(kbwd, "sparse_mla_bwd", lambda *a, gluon=False, **k: "gluon" if gluon else "triton")
+    monkeypatch.setattr(dispatch, "_deterministic", deterministic)
+    assert _backward() == "triton"
+    assert asked == [{"deterministic": deterministic}]

@@ -51,7 +51,7 @@ def test_forward_matches_reference(case):
     check_forward(case, DEV)
 
 
-GLUON_CASES = [c for c in CASES if c.D == 512 and c.H >= 64] + [
+_GLUON_EXTRA = [
     Case(3, 192, 512, 100, 200, ids="deepseek"),   # three head blocks
     Case(2, 100, 512, 60, 1),                      # K = 1, a partial head block
     Case(5, 64, 512, 2000, 1000, ids="deepseek", sink=False),
@@ -59,6 +59,18 @@ GLUON_CASES = [c for c in CASES if c.D == 512 and c.H >= 64] + [
     Case(300, 128, 512, 700, 300, ids="deepseek"),
     Case(400, 64, 512, 500, 1, sink=False),
     Case(400, 64, 512, 50, 0),  # K = 0: every row empty, tiles must still hand q over
+    # fewer heads than a tile's 64 rows (padding rows masked)
+    Case(5, 24, 512, 300, 640, ids="deepseek"),
+    Case(200, 40, 512, 300, 130, ids="deepseek"),
+]
+# The shapes the dispatcher gives each Gluon kernel: the forward from H = 17, the
+# backward's main kernel at any H (deterministic) and from H = 17 (atomic); the
+# backward's kernel is tested at every H in both modes.
+GLUON_CASES = [c for c in CASES if c.D == 512 and c.H >= 17] + _GLUON_EXTRA
+GLUON_BWD_CASES = [c for c in CASES if c.D == 512] + _GLUON_EXTRA + [
+    Case(64, 8, 512, 100, 80, ids="shared"),
+    Case(8, 1, 512, 100, 96, ids="dup"),
+    Case(300, 16, 512, 700, 300, ids="deepseek"),
 ]
 
 
@@ -85,7 +97,7 @@ def _gluon_bwd_or_skip(H=64, D=512):
         pytest.skip("the Gluon kernel needs an sm_90 GPU (H100/H200)")
 
 
-@pytest.mark.parametrize("case", GLUON_CASES + [Case(64, 128, 512, 300, 256, ids="shared")], ids=str)
+@pytest.mark.parametrize("case", GLUON_BWD_CASES + [Case(64, 128, 512, 300, 256, ids="shared")], ids=str)
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
 def test_gluon_backward_matches_reference(case, deterministic):
     _gluon_bwd_or_skip(case.H)

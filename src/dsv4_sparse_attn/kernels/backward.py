@@ -14,7 +14,7 @@ Three phases:
 3. grad_sink = -sum_t exp(sink - lse) * Delta, a [T, H] reduction in PyTorch.
 
 The chunk of tokens bounds the buffer (``PARTIAL_BYTES``) whatever T is. On sm_90 with
-D = 512 and H >= 64 the main kernel is the Gluon one (``backward_gluon``, ``gluon=True``),
+D = 512 the main kernel is the Gluon one (``backward_gluon``, ``gluon=True``),
 which pads each token's partial rows to whole 64-slot blocks and, with an even number of
 head blocks, keeps one row per pair of head blocks.
 """
@@ -242,8 +242,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                    grad_q: torch.Tensor | None = None, gluon: bool = False):
     """Launch the backward; returns grad_q [T,H,D], grad_kv [N,D], grad_sink ([H] or empty).
 
-    ``gluon``: the main kernel is ``backward_gluon``'s (sm_90, D = 512, H >= 64; the
-    caller checks ``backward_gluon.supported``); Delta, the dKV reduction and grad_sink
+    ``gluon``: the main kernel is ``backward_gluon``'s (sm_90, D = 512; the caller
+    checks ``backward_gluon.supported``); Delta, the dKV reduction and grad_sink
     are shared. CPU tensors run under the Triton interpreter (tests only).
     """
     T, H, D = q.shape

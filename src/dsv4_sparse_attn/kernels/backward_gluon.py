@@ -1,6 +1,6 @@
 """Gluon main kernel of the sparse-MLA backward for Hopper (sm_90), D = 512.
 
-Takes the place of ``backward._bwd_main_kernel`` for D = 512, H >= 64 on sm_90 (same
+Takes the place of ``backward._bwd_main_kernel`` for D = 512 on sm_90 (``supported``; same
 inputs; the same outputs: grad_q rounded once from fp32, and the block's dKV rows in
 fp32, either as partial rows for the deterministic path's sorted reduction or added to
 grad_kv with fp32 atomics). Warp-specialised and persistent: one program per SM walks
@@ -44,10 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .backward import _MAIN_RUNTIME_INTS
 from .common import cuda_properties
-from .forward_gluon import _load_ids, supported
+from .forward_gluon import _load_ids, sm90_takes
 
-# ``supported``: the Gluon forward's shape rule (sm_90, bf16/fp16, D = 512, H >= 64) is
-# this kernel's too; the dispatcher and the tests ask ``backward_gluon.supported``.
 __all__ = ["launch_main", "pairs_head_blocks", "supported"]
 
 NUM_WARPS = 4  # per partition; the kernel runs 3 partitions (12 warps)
@@ -383,6 +381,20 @@ def _bwd_main_gluon_kernel(
     else:
         gl.warp_specialize([(_producer, p_args), (_consumer0_partial, c_args), (_consumer1_partial, c_args)],
                            [4, 4], [232, 232])
+
+
+# Fewest heads for which the atomic (opt-in) path runs this kernel rather than the Triton
+# one (benchmarks/NOTES.md, sixth session). Below 64 heads a tile is partly padding, but
+# the backward is bound by its dKV traffic, which does not depend on H: the deterministic
+# path is 11-12% faster here than with the Triton kernel even at H = 1..16, the atomic
+# path 1-5% slower there, and 19-28% faster from H = 24.
+MIN_ATOMIC_HEADS = 17
+
+
+def supported(q, D: int, H: int, deterministic: bool = True) -> bool:
+    """Whether the backward's main kernel is this one: ``sm90_takes`` (sm_90, bf16/fp16,
+    D = 512), at any H on the deterministic path and H >= MIN_ATOMIC_HEADS on the atomic one."""
+    return (deterministic or H >= MIN_ATOMIC_HEADS) and sm90_takes(q, D)
 
 
 def pairs_head_blocks(n_hb: int, deterministic: bool) -> bool:

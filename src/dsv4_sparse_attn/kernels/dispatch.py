@@ -1,9 +1,10 @@
 """Choose, for a CUDA call, the kernel that runs it.
 
-Forward: the Gluon kernel (``forward_gluon``) on sm_90 for D = 512 and H >= 64, the
+Forward: the Gluon kernel (``forward_gluon``) on sm_90 for D = 512 and H > 16, the
 Triton kernel (``forward``) for the other shapes it takes. Backward: the Triton
-kernels (``backward``), whose main kernel is the Gluon one (``backward_gluon``) on the
-same shapes as the Gluon forward. A call no kernel takes (float32/float64 inputs, a
+kernels (``backward``), whose main kernel is the Gluon one (``backward_gluon``) on sm_90
+for D = 512 (deterministic: any H; atomic: H > 16). Each ``supported`` holds the
+measured rule. A call no kernel takes (float32/float64 inputs, a
 head dim outside SUPPORTED_D) runs the exact reference on the GPU after a one-time
 warning: slower, never wrong. If a Gluon kernel fails to build (Gluon's API moves
 between Triton releases) the Triton kernel takes over, also after a one-time warning;
@@ -74,12 +75,12 @@ def _is_build_error(e: Exception) -> bool:
     return isinstance(e, TritonError) or (isinstance(e, RuntimeError) and "PassManager::run failed" in str(e))
 
 
-def _run_gluon(which: str, q, p, launch):
+def _run_gluon(which: str, q, p, launch, **rule):
     """``launch(module)`` with the Gluon module of ``which``, or None where that kernel
     does not take the call or cannot be built here (then, once, a warning and the Triton
     kernel for the rest of the process). Any other error reaches the caller."""
     mod = _gluon_module(which)
-    if mod is None or not mod.supported(q, p.D, p.H):
+    if mod is None or not mod.supported(q, p.D, p.H, **rule):
         return None
     try:
         return launch(mod)
@@ -106,7 +107,7 @@ def backward(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p):
         return reference.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p.scale)
     res = _run_gluon("bwd", q, p, lambda mod: _bwd.sparse_mla_bwd(
         grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p.scale, deterministic=_deterministic,
-        gluon=True))
+        gluon=True), deterministic=_deterministic)
     if res is not None:
         return res
     return _bwd.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p.scale,

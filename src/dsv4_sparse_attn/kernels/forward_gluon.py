@@ -392,13 +392,27 @@ def _sparse_mla_fwd_gluon_kernel(
                             (_consumer1_nosink, c_args)], [4, 4], [232, 232])
 
 
-def supported(q: torch.Tensor, D: int, H: int) -> bool:
-    """The Gluon kernel takes bf16/fp16 CUDA tensors on sm_90, D = 512 and H >= 64
-    (below 64 heads a 64-row wgmma block is mostly padding; the Triton kernel is used)."""
-    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and D == 512 and H >= 64):
+# Fewest heads for which the Gluon forward is the faster one (benchmarks/NOTES.md, sixth
+# session; T=4096, K=1152 and 512): from H = 24 it takes 26-57% less time than the Triton
+# kernel; at H <= 16 its 64-row tiles are mostly padding and Triton's 16-row blocks win
+# by 2-4%.
+MIN_HEADS = 17
+
+
+def sm90_takes(q: torch.Tensor, D: int) -> bool:
+    """Whether a Gluon kernel (this one or ``backward_gluon``'s) can run ``q``'s call:
+    bf16/fp16 CUDA tensors on sm_90 and D = 512. Any H: heads past H pad the last
+    64-head tile with masked rows."""
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and D == 512):
         return False
     props = cuda_properties(q.device)
     return (props.major, props.minor) == (9, 0)
+
+
+def supported(q: torch.Tensor, D: int, H: int) -> bool:
+    """Whether the dispatcher runs the forward with this kernel: ``sm90_takes`` and
+    H >= MIN_HEADS (below, the Triton kernel is faster)."""
+    return H >= MIN_HEADS and sm90_takes(q, D)
 
 
 def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, **variant):
