@@ -302,7 +302,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         partial = torch.empty((chunk, n_part, k_stride, D), dtype=torch.float32, device=dev)
         # The Gluon kernel's per-chunk ticket counter and pair counts (all zero at launch).
         n_chunks = triton.cdiv(T, chunk)
-        flags = torch.zeros((n_chunks, 1 + chunk * n_hb), dtype=torch.int32, device=dev) if gluon else None
+        flags = torch.zeros((n_chunks, 1 + 2 * chunk * n_hb), dtype=torch.int32, device=dev) if gluon else None
         # Sort keys as narrow as N allows: the radix sort makes one pass per key byte
         # (int64 keys: 8 passes, int16: 2).
         key_dtype = torch.int16 if N < 2**15 - 1 else torch.int32 if N < 2**31 - 1 else torch.int64

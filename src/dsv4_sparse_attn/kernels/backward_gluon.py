@@ -63,6 +63,10 @@ _N_BARS = gl.constexpr(8)
 # stores, bit 1 the kv gathers after a tile's first block, bit 2 the q/dO loads after
 # a program's first tile.
 _DIAG = gl.constexpr(int(os.environ.get("DSV4_BWD_DIAG", "0")))
+# How many slot blocks a pair's leader may run ahead of its follower's adds (see
+# _consume_tile). H200, T=4096, H=128: 0 (lockstep) -8.8% backward time against no pacing
+# at K=1152 and K=512, 1 -7.5%, 2 -4%, 4 -1% (benchmarks/NOTES.md). Must be >= 0.
+_LAG = gl.constexpr(0)
 _BH = gl.constexpr(64)  # heads of a tile
 _BK = gl.constexpr(64)  # slots of a block
 _QD = gl.constexpr(128)  # D quarter: D = 512 only
@@ -125,7 +129,7 @@ def _consumer(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stri
         pid_h = tile % n_hb
         _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_lt, stride_gt, stride_gh,
                       scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb,
-                      pid_c, t_begin + pid_c, pid_h, n_hb, tcount, FLAGS, paired, WG, ATOMIC)
+                      pid_c, t_begin + pid_c, pid_h, n_hb, tcount, FLAGS, paired, n_tiles, rank, WG, ATOMIC)
         tcount += 1
 
 
@@ -159,7 +163,8 @@ def _store_piece(row_ptr, offs_d, acc, mask, follower, paired, ATOMIC: gl.conste
 @gluon.jit
 def _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_lt, stride_gt, stride_gh,
                   scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb,
-                  pid_c, pid_t, pid_h, n_hb, tcount, FLAGS, paired, WG: gl.constexpr, ATOMIC: gl.constexpr):
+                  pid_c, pid_t, pid_h, n_hb, tcount, FLAGS, paired, n_tiles, rank, WG: gl.constexpr,
+                  ATOMIC: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1)."""
     D: gl.constexpr = 4 * _QD
     dtype: gl.constexpr = q_smem.dtype
@@ -197,11 +202,23 @@ def _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_
     # fp32 atomic each. Two addends: a + b is the same whichever lands first, so the
     # result is bitwise deterministic, with one partial row per (token, slot) instead
     # of two. The pair's tiles run side by side on neighbouring programs.
+    # The follower also counts the blocks it has added, and the leader stays at most
+    # _LAG blocks ahead of that count. Unpaced, the leader (plain stores) ran ahead of
+    # the follower (atomics) by whole tiles: its rows left L2 before the follower's adds
+    # reached them, most adds became an HBM read and a second HBM write (ncu, one chunk
+    # at H128 K1152: 1.86 GB written and 0.91 GB read for 0.93 GB of partial rows; paced:
+    # 1.00 and 0.14), and leader programs sat idle at the end of each chunk. With
+    # _LAG = 0 the leader starts block j once the follower has added block j-1, which
+    # needs only the leader's block j-1: no cycle. The leader waits only once its partner
+    # program has taken its ticket (so is running, and waits on no one but this leader):
+    # no deadlock even if not all the kernel's programs are resident at once.
     follower = (paired != 0) & (pid_h % 2 == 1)
     leader = (paired != 0) & (pid_h % 2 == 0)
     n_part = n_hb // (1 + paired)
     part_h = pid_h // (1 + paired)
     flag_ptr = FLAGS + 1 + (pid_c * n_part + part_h) * 2 + WG
+    done_ptr = flag_ptr + n_tiles  # the follower's count of added blocks
+    pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
     for j in range(0, nb):
@@ -268,6 +285,9 @@ def _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_
         if follower:  # the leader's rows of this block must be in place before I add to them
             while gl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu") <= j:
                 pass
+        if pace:  # no more than _LAG blocks ahead of the follower's adds
+            while gl.atomic_add(done_ptr, 0, sem="relaxed", scope="gpu") < j - _LAG:
+                pass
         _store_piece(row_ptr + (2 * WG * _QD), offs_dd, acc, mask, follower, paired, ATOMIC)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         nxt = _dkv_piece(p_smem, ds_smem, do_smem, q_smem, 2 * WG + 1 + z, 0, dkv_zero)
@@ -281,6 +301,8 @@ def _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_
         if leader:  # publish: every thread's stores of this block, then the count (release)
             gl.thread_barrier()
             gl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
+        if follower:  # (pacing only: no ordering needed)
+            gl.atomic_add(done_ptr, 1, sem="relaxed", scope="gpu")
 
     mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
 
@@ -407,7 +429,7 @@ def launch_main(q, kv, indices, grad_out, lse, delta, grad_q, grad_kv, partial, 
     """One chunk of tokens [t_begin, t_begin + n_tok): the Triton main kernel's contract,
     except that with ``paired`` (the caller's ``pairs_head_blocks``; partial rows only)
     the partial buffer holds one row per pair of head blocks. ``flags``: int32 zeros, at
-    least 1 + n_tok * n_hb (ticket and counts)."""
+    least 1 + 2 * n_tok * n_hb (the ticket, the leaders' and the followers' counts)."""
     n_tiles = n_tok * n_hb
     if paired and (partial is None or n_hb % 2):
         raise ValueError("head blocks pair up only on the partial-row path, with an even count")
