@@ -7,6 +7,7 @@ import torch
 from kernel_checks import Case, check_backward, check_forward, make_case
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import forward as kfwd
+from dsv4_sparse_attn.kernels.forward_gluon import MIN_HEADS as GLUON_FWD_MIN_HEADS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,10 +64,10 @@ _GLUON_EXTRA = [
     Case(5, 24, 512, 300, 640, ids="deepseek"),
     Case(200, 40, 512, 300, 130, ids="deepseek"),
 ]
-# The shapes the dispatcher gives each Gluon kernel: the forward from H = 17, the
-# backward's main kernel at any H (deterministic) and from H = 17 (atomic); the
+# The shapes the dispatcher gives each Gluon kernel: the forward from MIN_HEADS, the
+# backward's main kernel at any H (deterministic) and from MIN_ATOMIC_HEADS (atomic); the
 # backward's kernel is tested at every H in both modes.
-GLUON_CASES = [c for c in CASES if c.D == 512 and c.H >= 17] + _GLUON_EXTRA
+GLUON_CASES = [c for c in CASES if c.D == 512 and c.H >= GLUON_FWD_MIN_HEADS] + _GLUON_EXTRA
 GLUON_BWD_CASES = [c for c in CASES if c.D == 512] + _GLUON_EXTRA + [
     Case(64, 8, 512, 100, 80, ids="shared"),
     Case(8, 1, 512, 100, 96, ids="dup"),
