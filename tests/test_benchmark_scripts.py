@@ -12,7 +12,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["bench.py", "heads_sweep.py", "profile_bwd.py", "fsdp_step_time.py"]
+SCRIPTS = ["bench.py", "heads_sweep.py", "profile_bwd.py", "fsdp_step_time.py", "ab_backward.py", "power_probe.py",
+           "store_pattern.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
