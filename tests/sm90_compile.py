@@ -3,7 +3,8 @@
 Mirrors what the JIT does at a real launch on Hopper: pointers are 16-byte aligned
 and integer arguments that Triton specialises are divisible by 16 when ``div16``
 says so. Returns the shared memory, the count of wgmma / mma.sync instructions
-in the PTX and, when Triton's bundled ptxas is there, registers and spill bytes.
+in the PTX and, when Triton's bundled ptxas and cuobjdump are there, registers, spill
+bytes and the SASS's innermost tensor-core loops (``mma_loops``).
 """
 from __future__ import annotations
 
@@ -20,9 +21,43 @@ H200_SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (2
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def _ptxas() -> str | None:
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+def _nvidia_tool(name: str) -> str | None:
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     return path if os.path.exists(path) else None
+
+
+def _ptxas() -> str | None:
+    return _nvidia_tool("ptxas")
+
+
+def mma_loops(cubin: bytes) -> list[dict] | None:
+    """The innermost loops of a cubin's SASS that hold wgmmas (HGMMA), with their counts of
+    spill reloads (LDL), global stores (STG) and HGMMA; None without Triton's cuobjdump.
+
+    A loop is a conditional backward branch and the code from its target to it (an
+    mbarrier wait's out-of-line retry ends in an unconditional branch back: not a loop).
+    """
+    tool = _nvidia_tool("cuobjdump")
+    if tool is None:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2).strip())
+           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for pc, text in ins:
+        m = re.match(r"@!?U?P\w+\s+BRA\s+0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < pc:
+            start = int(m.group(1), 16)
+            body = [t for p, t in ins if start <= p <= pc]
+            count = lambda op: sum(1 for t in body if re.match(op + r"\b", t))  # noqa: E731
+            loops.append(dict(start=start, end=pc, LDL=count("LDL"), STG=count("STG"), HGMMA=count("HGMMA")))
+    mma = [lp for lp in loops if lp["HGMMA"]]
+    return [lp for lp in mma
+            if not any(o is not lp and lp["start"] <= o["start"] and o["end"] <= lp["end"] for o in mma)]
 
 
 def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stages: int,
@@ -55,6 +90,7 @@ def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stag
         registers=None,
         spill_bytes=None,
         wgmma_serialized=None,
+        mma_loops=None,
     )
     ptxas = _ptxas() if run_ptxas else None
     if ptxas:
@@ -71,6 +107,7 @@ def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stag
             res["spill_bytes"] = int(m.group(1)) if m else None
             # ptxas info C7512: too few registers, so every wgmma waits for the previous one
             res["wgmma_serialized"] = "wgmma.mma_async instructions are serialized" in log
+        res["mma_loops"] = mma_loops(k.asm["cubin"])
     return res
 
 
