@@ -19,11 +19,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench import SHAPES, bench, make_inputs  # noqa: E402
+from bench import SHAPES, backward_inputs, bench  # noqa: E402
 import dsv4_sparse_attn.kernels as pkg  # noqa: E402
 from dsv4_sparse_attn.kernels import backward as kbwd  # noqa: E402
 from dsv4_sparse_attn.kernels import backward_gluon as new  # noqa: E402
-from dsv4_sparse_attn.kernels import forward as kfwd  # noqa: E402
 
 
 def load_old(path):
@@ -51,10 +50,8 @@ def main():
     T, D = 4096, 512
     for i in map(int, a.shapes.split(",")):
         H, K, name = SHAPES[i]
-        q, kv, idx, sink = make_inputs(T, H, K, D)
+        q, kv, idx, sink, out, lse, do, dl = backward_inputs(T, H, K, D)
         scale = D ** -0.5
-        out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, scale)
-        do, dl = torch.randn_like(out), torch.randn_like(lse)
         fl = 10 * T * H * K * D
         row = [f"{name} H{H} K{K}"]
         for det in (True, False):

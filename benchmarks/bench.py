@@ -58,6 +58,18 @@ def make_inputs(T, H, K, D, dev="cuda"):
     return q, kv, idx, sink
 
 
+def backward_inputs(T, H, K, D, dev="cuda"):
+    """``make_inputs`` plus what a backward takes: the forward's out and lse (Triton
+    kernel, scale D**-0.5) and random grad_out and grad_lse.
+
+    Returns q, kv, idx, sink, out, lse, do, dl.
+    """
+    q, kv, idx, sink = make_inputs(T, H, K, D, dev)
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
+    do, dl = torch.randn_like(out), torch.randn_like(lse)
+    return q, kv, idx, sink, out, lse, do, dl
+
+
 def torch_sparse_mla(q, kv, idx, sink, scale):
     """Plain PyTorch: gather the rows, bf16 matmuls, fp32 softmax with the sink. Autograd-able."""
     valid = (idx >= 0) & (idx < kv.shape[0])
@@ -155,9 +167,7 @@ def sweep(T, D, dev="cuda", which="all"):
     """Time candidate block configurations on two shapes (prints; winners go in code)."""
     res = []
     for H, K in ((128, 1152), (64, 640)):
-        q, kv, idx, sink = make_inputs(T, H, K, D, dev)
-        out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
-        do, dl = torch.randn_like(out), torch.randn_like(lse)
+        q, kv, idx, sink, out, lse, do, dl = backward_inputs(T, H, K, D, dev)
         triton_fwd_cfgs = (kfwd.FwdConfig(64, 64, 8, 1), kfwd.FwdConfig(64, 64, 8, 2), kfwd.FwdConfig(64, 32, 8, 2),
                            kfwd.FwdConfig(64, 32, 8, 3), kfwd.FwdConfig(64, 32, 8, 4), kfwd.FwdConfig(64, 16, 8, 4))
         for cfg in triton_fwd_cfgs if which == "all" else ():

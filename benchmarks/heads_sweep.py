@@ -12,10 +12,8 @@ import argparse
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(__file__))
-from bench import bench, make_inputs  # noqa: E402
+from bench import backward_inputs, bench  # noqa: E402
 from dsv4_sparse_attn.kernels import backward as kbwd  # noqa: E402
 from dsv4_sparse_attn.kernels import forward as kfwd  # noqa: E402
 from dsv4_sparse_attn.kernels import forward_gluon  # noqa: E402
@@ -33,9 +31,7 @@ def main():
     print("|---" * 8 + "|")
     for K in map(int, a.K.split(",")):
         for H in map(int, a.heads.split(",")):
-            q, kv, idx, sink = make_inputs(T, H, K, D)
-            out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
-            do, dl = torch.randn_like(out), torch.randn_like(lse)
+            q, kv, idx, sink, out, lse, do, dl = backward_inputs(T, H, K, D)
             cells = []
             for fn in (kfwd.sparse_mla_fwd, forward_gluon.sparse_mla_fwd):
                 ms = bench(lambda: fn(q, kv, idx, sink, D ** -0.5), rep=50)

@@ -18,8 +18,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench import make_inputs  # noqa: E402
-from dsv4_sparse_attn.kernels import backward as kbwd, forward as kfwd, forward_gluon  # noqa: E402
+from bench import backward_inputs  # noqa: E402
+from dsv4_sparse_attn.kernels import backward as kbwd, forward_gluon  # noqa: E402
 
 
 def main():
@@ -31,10 +31,8 @@ def main():
     a = ap.parse_args()
     what, H, K = a.what, a.H, a.K
     T, D = 4096, 512
-    q, kv, idx, sink = make_inputs(T, H, K, D)
+    q, kv, idx, sink, out, lse, do, dl = backward_inputs(T, H, K, D)
     scale = D ** -0.5
-    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, scale)
-    do, dl = torch.randn_like(out), torch.randn_like(lse)
     if what == "bwd":
         fn = lambda: kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, scale, gluon=True)
     elif what == "fwd":

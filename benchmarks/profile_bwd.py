@@ -15,10 +15,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench import SHAPES, make_inputs  # noqa: E402
+from bench import SHAPES, backward_inputs  # noqa: E402
 from dsv4_sparse_attn.kernels import backward as kbwd  # noqa: E402
 from dsv4_sparse_attn.kernels import backward_gluon  # noqa: E402
-from dsv4_sparse_attn.kernels import forward as kfwd  # noqa: E402
 
 
 def main():
@@ -30,9 +29,7 @@ def main():
     T, D = a.T, 512
     for i in a.shapes.split(","):
         H, K, label = SHAPES[int(i)]
-        q, kv, idx, sink = make_inputs(T, H, K, D)
-        out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
-        do, dl = torch.randn_like(out), torch.randn_like(lse)
+        q, kv, idx, sink, out, lse, do, dl = backward_inputs(T, H, K, D)
         gluon = backward_gluon.supported(q, D, H) and not a.triton_main
         for det in (True, False):
             run = lambda: kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, D ** -0.5,
