@@ -26,10 +26,6 @@ def _nvidia_tool(name: str) -> str | None:
     return path if os.path.exists(path) else None
 
 
-def _ptxas() -> str | None:
-    return _nvidia_tool("ptxas")
-
-
 def mma_loops(cubin: bytes) -> list[dict] | None:
     """The innermost loops of a cubin's SASS that hold wgmmas (HGMMA), with their counts of
     spill reloads (LDL), global stores (STG) and HGMMA; None without Triton's cuobjdump.
@@ -92,7 +88,7 @@ def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stag
         wgmma_serialized=None,
         mma_loops=None,
     )
-    ptxas = _ptxas() if run_ptxas else None
+    ptxas = _nvidia_tool("ptxas") if run_ptxas else None
     if ptxas:
         with tempfile.TemporaryDirectory() as d:
             src_path = os.path.join(d, "k.ptx")
