@@ -1,7 +1,8 @@
 """Kernel-vs-oracle checks shared by the GPU tests and the CPU interpreter tests.
 
 Each check draws fresh random inputs, poisons the kernel's outputs (NaN) before the
-launch, runs the Triton launcher directly and compares with the float64 reference.
+launch, runs a launcher directly (the Triton kernels unless told otherwise) and compares
+with the float64 reference.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from dsv4_sparse_attn.kernels import backward as kbwd
-from dsv4_sparse_attn.kernels import forward as kfwd
+from dsv4_sparse_attn.kernels import backward_triton
+from dsv4_sparse_attn.kernels import forward_triton as kfwd
 from helpers import deepseek_indices, oracle_bwd, oracle_fwd, relerr
 
 TOL = {  # relative-error bounds against the float64 oracle
@@ -109,8 +111,9 @@ def check_forward(c: Case, device, fwd=None):
     return errs
 
 
-def check_backward(c: Case, device, deterministic=True, with_dlse=True, gluon=False):
-    """``gluon``: the Gluon main kernel (sm_90, D = 512, any H) instead of the Triton one."""
+def check_backward(c: Case, device, deterministic=True, with_dlse=True, main=None):
+    """``main``: the backward's main-kernel module (default ``backward_triton``; the GPU
+    tests also pass ``backward_gluon``)."""
     q, kv, idx, sink = make_case(c, device)
     out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5)
     do = torch.randn_like(out)
@@ -122,8 +125,8 @@ def check_backward(c: Case, device, deterministic=True, with_dlse=True, gluon=Fa
         out = torch.stack([out, torch.full_like(out, 1e4)], 2).flatten(1, 2)[:, ::2]
         lse = torch.stack([lse, torch.full_like(lse, 1e4)], 2).flatten(1)[:, ::2]
     dq = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
-    gq, gkv, gs = kbwd.sparse_mla_bwd(do, dlse, q, kv, out, lse, idx, sink, c.D ** -0.5,
-                                      deterministic=deterministic, grad_q=dq, gluon=gluon)
+    gq, gkv, gs = kbwd.sparse_mla_bwd(do, dlse, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main or backward_triton,
+                                      deterministic=deterministic, grad_q=dq)
     rq, rkv, rs = oracle_bwd(do, dlse, q, kv, idx, sink)
     tol = TOL[c.dtype]
     errs = dict(dq=relerr(gq, rq), dkv=relerr(gkv, rkv))

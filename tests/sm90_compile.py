@@ -3,11 +3,15 @@
 Mirrors what the JIT does at a real launch on Hopper: pointers are 16-byte aligned
 and integer arguments that Triton specialises are divisible by 16 when ``div16``
 says so. Returns the shared memory, the count of wgmma / mma.sync instructions
-in the PTX and, when Triton's bundled ptxas and cuobjdump are there, registers, spill
-bytes and the SASS's innermost tensor-core loops (``mma_loops``).
+in the PTX, and from the ptxas that this Triton itself uses for sm_90 (3.9 uses a newer
+one than 3.6-3.8, and emits PTX the older one rejects) registers, spill bytes and, with
+Triton's cuobjdump, the SASS's innermost tensor-core loops (``mma_loops``). A check that
+cannot measure fails (``MeasureError``): it never passes on missing numbers.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -17,25 +21,44 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+
+class MeasureError(RuntimeError):
+    """The compile check could not measure what it asserts on (a tool or a number missing)."""
+
 H200_SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def _nvidia_tool(name: str) -> str | None:
+def _nvidia_tool(name: str) -> str:
     path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    return path if os.path.exists(path) else None
+    if not os.path.exists(path):
+        raise MeasureError(f"Triton {triton.__version__} ships no {name} at {path}")
+    return path
 
 
-def mma_loops(cubin: bytes) -> list[dict] | None:
+def ptxas_for_sm90() -> str:
+    """The ptxas this Triton uses for sm_90 (``get_ptxas(90)``: ptxas-blackwell from 3.9 on)."""
+    from triton.backends.nvidia import compiler as nv
+
+    if hasattr(nv, "get_ptxas"):
+        try:
+            tool = nv.get_ptxas(90)
+        except TypeError:  # an older signature without the arch
+            tool = nv.get_ptxas()
+        path = tool.path if hasattr(tool, "path") else tool[0]
+        if path and os.path.exists(path):
+            return path
+    return _nvidia_tool("ptxas")
+
+
+def mma_loops(cubin: bytes) -> list[dict]:
     """The innermost loops of a cubin's SASS that hold wgmmas (HGMMA), with their counts of
-    spill reloads (LDL), global stores (STG) and HGMMA; None without Triton's cuobjdump.
+    spill reloads (LDL), global stores (STG), HGMMA and 16-byte fp32 reductions (REDG4).
 
     A loop is a conditional backward branch and the code from its target to it (an
     mbarrier wait's out-of-line retry ends in an unconditional branch back: not a loop).
     """
     tool = _nvidia_tool("cuobjdump")
-    if tool is None:
-        return None
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
@@ -50,7 +73,8 @@ def mma_loops(cubin: bytes) -> list[dict] | None:
             start = int(m.group(1), 16)
             body = [t for p, t in ins if start <= p <= pc]
             count = lambda op: sum(1 for t in body if re.match(op + r"\b", t))  # noqa: E731
-            loops.append(dict(start=start, end=pc, LDL=count("LDL"), STG=count("STG"), HGMMA=count("HGMMA")))
+            loops.append(dict(start=start, end=pc, LDL=count("LDL"), STG=count("STG"), HGMMA=count("HGMMA"),
+                              REDG4=sum(1 for t in body if re.match(r"REDG\S*F32x4", t))))
     mma = [lp for lp in loops if lp["HGMMA"]]
     return [lp for lp in mma
             if not any(o is not lp and lp["start"] <= o["start"] and o["end"] <= lp["end"] for o in mma)]
@@ -87,9 +111,9 @@ def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stag
         spill_bytes=None,
         wgmma_serialized=None,
         mma_loops=None,
-    )
-    ptxas = _nvidia_tool("ptxas") if run_ptxas else None
-    if ptxas:
+    )  # (left None only when run_ptxas is off)
+    if run_ptxas:
+        ptxas = ptxas_for_sm90()
         with tempfile.TemporaryDirectory() as d:
             src_path = os.path.join(d, "k.ptx")
             with open(src_path, "w") as f:
@@ -97,26 +121,54 @@ def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stag
             out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src_path, "-o",
                                   os.path.join(d, "k.cubin")], capture_output=True, text=True)
             log = out.stdout + out.stderr
+            if out.returncode != 0:
+                raise MeasureError(f"{ptxas} failed on Triton {triton.__version__}'s PTX:\n{log[-2000:]}")
             m = re.search(r"Used (\d+) registers", log)
-            res["registers"] = int(m.group(1)) if m else None
+            if m is None:
+                raise MeasureError(f"no register count in {ptxas}'s report:\n{log[-2000:]}")
+            res["registers"] = int(m.group(1))
             m = re.search(r"(\d+) bytes spill stores", log)
-            res["spill_bytes"] = int(m.group(1)) if m else None
+            if m is None:
+                raise MeasureError(f"no spill count in {ptxas}'s report:\n{log[-2000:]}")
+            res["spill_bytes"] = int(m.group(1))
             # ptxas info C7512: too few registers, so every wgmma waits for the previous one
             res["wgmma_serialized"] = "wgmma.mma_async instructions are serialized" in log
         res["mma_loops"] = mma_loops(k.asm["cubin"])
     return res
 
 
+def wgmma_register_bases() -> list:
+    """The register bases ([row, col] per register bit) of a [64, 64] fp32 wgmma accumulator
+    in this Gluon, as its linear layout states them (``hopper.red_f32x4_fake`` relies on them)."""
+    from wgmma_layout_probe import print_wgmma_layout
+
+    buf = io.StringIO()
+    saved = os.environ.get("TRITON_ALWAYS_COMPILE")
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # the print runs only when the front end does
+    try:
+        with contextlib.redirect_stdout(buf):
+            compile_sm90(print_wgmma_layout, {}, {}, 4, 1, run_ptxas=False)
+    finally:
+        if saved is None:
+            del os.environ["TRITON_ALWAYS_COMPILE"]
+        else:
+            os.environ["TRITON_ALWAYS_COMPILE"] = saved
+    m = re.search(r"reg_bases=(\[\[.*?\]\])", buf.getvalue())
+    if m is None:
+        raise MeasureError(f"no linear layout printed: {buf.getvalue()[:500]}")
+    return eval(m.group(1))  # a list of [int, int] pairs
+
 FWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", SINK="*fp32", OUT="*bf16", LSE="*fp32",
                  scale_log2="fp32")
 FWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_ot", "stride_oh")
 BWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", DO="*bf16", LSE="*fp32", DELTA="*fp32",
-                 DQ="*bf16", DKV="*fp32", PARTIAL="*fp32", FLAGS="*i32", scale="fp32", scale_log2="fp32")
+                 DQ="*bf16", DKV="*fp32", ACC="*fp32", PARTIAL="*fp32", FLAGS="*i32", scale="fp32",
+                 scale_log2="fp32")
 BWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_dt", "stride_dh", "stride_gt", "stride_gh")
 
 
 def compile_forward(D: int, H: int, cfg=None, has_sink=True, run_ptxas=True) -> dict:
-    from dsv4_sparse_attn.kernels import forward as F
+    from dsv4_sparse_attn.kernels import forward_triton as F
 
     cfg = cfg or F.forward_config(D, H)
     consts = dict(D=D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, HAS_SINK=has_sink, DOT_FP32=False)
@@ -125,7 +177,7 @@ def compile_forward(D: int, H: int, cfg=None, has_sink=True, run_ptxas=True) -> 
 
 
 def compile_backward(D: int, H: int, cfg=None, atomic=False, run_ptxas=True) -> dict:
-    from dsv4_sparse_attn.kernels import backward as B
+    from dsv4_sparse_attn.kernels import backward_triton as B
 
     cfg = cfg or B.backward_config(D, H)
     consts = dict(D=D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, ATOMIC=atomic, DOT_FP32=False)
@@ -135,15 +187,18 @@ def compile_backward(D: int, H: int, cfg=None, atomic=False, run_ptxas=True) -> 
 
 def compile_forward_gluon(has_sink=True, run_ptxas=True) -> dict:
     from dsv4_sparse_attn.kernels import forward_gluon as G
+    from dsv4_sparse_attn.kernels import hopper
 
     consts = dict(D=512, HAS_SINK=has_sink)
-    return compile_sm90(G._sparse_mla_fwd_gluon_kernel, FWD_TYPES, consts, G.NUM_WARPS, 1,
-                        FWD_DIV16, run_ptxas, maxnreg=G.MAXNREG)
+    return compile_sm90(G._sparse_mla_fwd_gluon_kernel, FWD_TYPES, consts, hopper.NUM_WARPS, 1,
+                        FWD_DIV16, run_ptxas, maxnreg=hopper.MAXNREG)
 
 
-def compile_backward_gluon(atomic=False, run_ptxas=True) -> dict:
+def compile_backward_gluon(red=False, run_ptxas=True) -> dict:
+    """``red``: the fast mode (16-byte reductions); else the deterministic partial rows."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
+    from dsv4_sparse_attn.kernels import hopper
 
-    consts = dict(D=512, ATOMIC=atomic)
-    return compile_sm90(G._bwd_main_gluon_kernel, BWD_TYPES, consts, G.NUM_WARPS, 1, BWD_DIV16, run_ptxas,
-                        maxnreg=G.MAXNREG)
+    consts = dict(D=512, RED=red)
+    return compile_sm90(G._bwd_main_gluon_kernel, BWD_TYPES, consts, hopper.NUM_WARPS, 1, BWD_DIV16, run_ptxas,
+                        maxnreg=hopper.MAXNREG)

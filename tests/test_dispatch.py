@@ -1,8 +1,9 @@
-"""The dispatcher's kernel choice and fallback policy (CPU: the kernels are replaced by stubs).
+"""The dispatcher: its ordered candidates, each kernel's rule, the fallback policy and the
+backward's mode (CPU: the kernels' rules and launchers are replaced by stubs).
 
-A Gluon kernel that cannot be built hands its shapes to the Triton kernel for the rest
-of the process; any other failure of a Gluon launch (out of memory, a CUDA error) must
-reach the caller and leave the Gluon kernel in use.
+A Gluon kernel that cannot be built hands its calls to the next candidate for the rest of
+the process; any other failure of a Gluon launch (out of memory, a CUDA error) must reach
+the caller and leave the Gluon kernel in use.
 """
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
+import dsv4_sparse_attn
 from dsv4_sparse_attn.kernels import backward as kbwd
-from dsv4_sparse_attn.kernels import backward_gluon, common, dispatch, forward_gluon
-from dsv4_sparse_attn.kernels import forward as kfwd
+from dsv4_sparse_attn.kernels import (backward_gluon, backward_triton, common, dispatch, forward_gluon,
+                                      forward_triton)
+from dsv4_sparse_attn.kernels.common import Call
 
 P = SimpleNamespace(D=512, H=64, scale=512 ** -0.5)
 
@@ -26,20 +30,26 @@ def _args():
 
 
 @pytest.fixture
-def gluon_eligible(monkeypatch):
-    """Every call is Gluon-eligible; no Gluon kernel has failed; warnings are fresh."""
-    monkeypatch.setattr(dispatch, "_gluon_broken", {"fwd": False, "bwd": False})
+def fresh(monkeypatch):
+    """No kernel has failed, nothing is forced or remembered, warnings are fresh."""
+    monkeypatch.setattr(dispatch, "_broken", {})
+    monkeypatch.setattr(dispatch, "_forced", {})
+    monkeypatch.setattr(dispatch, "_choices", {})
     monkeypatch.setattr(common, "_warned", set())
-    monkeypatch.setattr(backward_gluon, "supported", lambda q, D, H, deterministic=True: True)
-    monkeypatch.setattr(forward_gluon, "supported", lambda q, D, H: True)
+
+
+@pytest.fixture
+def every_kernel_takes(fresh, monkeypatch):
+    for mod in (forward_gluon, forward_triton, backward_gluon, backward_triton):
+        monkeypatch.setattr(mod, "rejects", lambda call: None)
 
 
 def _stub_backward(monkeypatch, gluon_error):
     calls = []
 
-    def fake(*args, gluon=False, **kw):
-        calls.append(gluon)
-        if gluon:
+    def fake(*args, main=None, **kw):
+        calls.append(main.NAME)
+        if main is backward_gluon:
             raise gluon_error
         return "triton"
 
@@ -56,27 +66,32 @@ def _backward():
                                    OutOfResources(300000, 232448, "shared memory"),
                                    RuntimeError("PassManager::run failed")],
                          ids=["compile", "out-of-resources", "mlir"])
-def test_backward_build_failure_falls_back_to_triton_once(gluon_eligible, monkeypatch, error):
+def test_backward_build_failure_falls_back_to_triton_once(every_kernel_takes, monkeypatch, error):
     calls = _stub_backward(monkeypatch, error)
-    with pytest.warns(RuntimeWarning, match="failed to build"):
+    with pytest.warns(RuntimeWarning) as w:
         assert _backward() == "triton"
-    assert calls == [True, False] and dispatch._gluon_broken["bwd"]
-    assert _backward() == "triton" and calls == [True, False, False]  # Gluon not tried again
+    msg = str(w[0].message)
+    # the warning names the kernel, the Triton version and the reason
+    assert "backward_gluon" in msg and triton.__version__ in msg and type(error).__name__ in msg, msg
+    assert calls == ["gluon_sm90", "triton"] and "backward_gluon" in dispatch._broken
+    assert _backward() == "triton" and calls == ["gluon_sm90", "triton", "triton"]  # Gluon not tried again
+    q = _args()[0]
+    assert "failed to build" in dict((n, r) for n, m, r in dispatch.candidates("backward", Call.of(q)))["gluon_sm90"]
 
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"),
                                    RuntimeError("CUDA error: an illegal memory access was encountered"),
                                    ValueError("bad input")],
                          ids=["oom", "cuda-error", "value-error"])
-def test_backward_runtime_failure_reaches_the_caller(gluon_eligible, monkeypatch, error):
+def test_backward_runtime_failure_reaches_the_caller(every_kernel_takes, monkeypatch, error):
     calls = _stub_backward(monkeypatch, error)
     with pytest.raises(type(error), match=str(error)[:20]):
         _backward()
-    assert calls == [True] and not dispatch._gluon_broken["bwd"]
+    assert calls == ["gluon_sm90"] and not dispatch._broken
 
 
-def test_forward_follows_the_same_policy(gluon_eligible, monkeypatch):
-    monkeypatch.setattr(kfwd, "sparse_mla_fwd", lambda *a, **k: "triton")
+def test_forward_follows_the_same_policy(every_kernel_takes, monkeypatch):
+    monkeypatch.setattr(forward_triton, "sparse_mla_fwd", lambda *a, **k: "triton")
     q, kv, idx = _args()
 
     def oom(*a, **k):
@@ -85,40 +100,97 @@ def test_forward_follows_the_same_policy(gluon_eligible, monkeypatch):
     monkeypatch.setattr(forward_gluon, "sparse_mla_fwd", oom)
     with pytest.raises(torch.OutOfMemoryError):
         dispatch.forward(q, kv, idx, None, P)
-    assert not dispatch._gluon_broken["fwd"]
+    assert not dispatch._broken
 
     def broken(*a, **k):
         raise CompilationError("def k(): pass", None, "bad Gluon API")
 
     monkeypatch.setattr(forward_gluon, "sparse_mla_fwd", broken)
-    with pytest.warns(RuntimeWarning, match="failed to build"):
+    with pytest.warns(RuntimeWarning, match="forward_gluon failed to build"):
         assert dispatch.forward(q, kv, idx, None, P) == "triton"
-    assert dispatch._gluon_broken["fwd"]
+    assert "forward_gluon" in dispatch._broken
 
 
-@pytest.mark.parametrize("H,fwd,bwd_det,bwd_atomic", [(1, False, True, False), (16, False, True, False),
-                                                       (17, True, True, True), (128, True, True, True)])
-def test_gluon_kernels_take_the_measured_head_counts(monkeypatch, H, fwd, bwd_det, bwd_atomic):
-    """On an sm_90 GPU (stubbed here): the Gluon forward from H = 17; the Gluon backward
-    main kernel at any H when deterministic, from H = 17 on the atomic path (NOTES.md)."""
-    monkeypatch.setattr(forward_gluon, "sm90_takes", lambda q, D: True)
-    monkeypatch.setattr(backward_gluon, "sm90_takes", lambda q, D: True)
-    q = torch.zeros(1, H, 512, dtype=torch.bfloat16)
-    assert forward_gluon.supported(q, 512, H) == fwd
-    assert backward_gluon.supported(q, 512, H) == bwd_det
-    assert backward_gluon.supported(q, 512, H, deterministic=False) == bwd_atomic
-
-
-def test_cpu_tensors_never_take_a_gluon_kernel():
-    q = torch.zeros(1, 64, 512, dtype=torch.bfloat16)
-    assert not forward_gluon.supported(q, 512, 64) and not backward_gluon.supported(q, 512, 64)
-
-
+@pytest.mark.parametrize("H,fwd", [(1, False), (16, False), (17, True), (128, True)])
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_backward_asks_the_gluon_rule_for_its_mode(gluon_eligible, monkeypatch, deterministic):
-    asked = []
-    monkeypatch.setattr(backward_gluon, "supported", lambda q, D, H, **rule: asked.append(rule) or False)
-    monkeypatch.setattr(kbwd, "sparse_mla_bwd", lambda *a, gluon=False, **k: "gluon" if gluon else "triton")
-    monkeypatch.setattr(dispatch, "_deterministic", deterministic)
-    assert _backward() == "triton"
-    assert asked == [{"deterministic": deterministic}]
+def test_gluon_kernels_take_the_measured_head_counts(monkeypatch, H, fwd, deterministic):
+    """On an sm_90 GPU (stubbed here): the Gluon forward from H = 17
+    (docs/performance/forward.md#which-forward-below-64-heads), the Gluon backward main
+    kernel at any H in both modes (docs/performance/backward.md#small-head-counts)."""
+    for mod in (forward_gluon, backward_gluon):
+        monkeypatch.setattr(mod, "not_sm90", lambda device: None)
+    call = Call(torch.device("cuda", 0), torch.bfloat16, 512, H, deterministic)
+    assert (forward_gluon.rejects(call) is None) == fwd
+    assert backward_gluon.rejects(call) is None
+    for bad in (call._replace(D=256), call._replace(dtype=torch.float32)):
+        assert forward_gluon.rejects(bad) and backward_gluon.rejects(bad)
+
+
+def test_cpu_tensors_never_take_a_kernel(fresh):
+    q = torch.zeros(1, 64, 512, dtype=torch.bfloat16)
+    for direction in ("forward", "backward"):
+        rows = dispatch.candidates(direction, Call.of(q))
+        assert [n for n, m, r in rows if r is None] == ["reference"], rows
+        assert all("cpu" in r for n, m, r in rows[:-1]), rows
+
+
+def test_a_call_no_kernel_takes_runs_the_reference_with_a_warning(fresh, monkeypatch):
+    monkeypatch.setattr(forward_gluon, "rejects", lambda call: "no")
+    monkeypatch.setattr(forward_triton, "rejects", lambda call: "dtype torch.float32")
+    with pytest.warns(RuntimeWarning, match="reference"):
+        assert dispatch.choose("forward", Call.of(torch.zeros(1, 4, 64)))[0] == "reference"
+
+
+def test_use_kernels_forces_a_kernel_and_says_why_it_cannot(fresh, monkeypatch):
+    monkeypatch.setattr(forward_gluon, "rejects", lambda call: None)
+    monkeypatch.setattr(forward_triton, "rejects", lambda call: None)
+    call = Call.of(torch.zeros(1, 64, 512, dtype=torch.bfloat16))
+    assert dispatch.choose("forward", call)[0] == "gluon_sm90"
+    with dsv4_sparse_attn.use_kernels(forward="triton"):
+        assert dispatch.choose("forward", call)[0] == "triton"
+        with dsv4_sparse_attn.use_kernels(forward="reference"):
+            assert dispatch.choose("forward", call)[0] == "reference"
+        assert dispatch.choose("forward", call)[0] == "triton"
+    assert dispatch.choose("forward", call)[0] == "gluon_sm90"
+    monkeypatch.setattr(forward_triton, "rejects", lambda call: "head dim D=576")
+    dispatch._choices.clear()  # (choices are remembered per call: the rules never change at run time)
+    with dsv4_sparse_attn.use_kernels(forward="triton"), pytest.raises(ValueError, match="D=576"):
+        dispatch.choose("forward", call)
+    with pytest.raises(ValueError, match="no backward kernel named 'cudnn'"):
+        with dsv4_sparse_attn.use_kernels(backward="cudnn"):
+            pass
+
+
+def test_backward_mode_follows_torch_unless_set(fresh, monkeypatch):
+    """Default: deterministic exactly under torch.use_deterministic_algorithms(True);
+    set_deterministic_backward(True/False) overrides it, None restores the default."""
+    seen = []
+    monkeypatch.setattr(backward_gluon, "rejects", lambda call: None)
+    monkeypatch.setattr(kbwd, "sparse_mla_bwd", lambda *a, deterministic, **k: seen.append(deterministic))
+    prev = torch.are_deterministic_algorithms_enabled()
+    try:
+        dsv4_sparse_attn.set_deterministic_backward(None)
+        torch.use_deterministic_algorithms(False)
+        _backward()
+        torch.use_deterministic_algorithms(True)
+        _backward()
+        dsv4_sparse_attn.set_deterministic_backward(False)
+        _backward()
+        torch.use_deterministic_algorithms(False)
+        dsv4_sparse_attn.set_deterministic_backward(True)
+        _backward()
+    finally:
+        dsv4_sparse_attn.set_deterministic_backward(None)
+        torch.use_deterministic_algorithms(prev)
+    assert seen == [False, True, False, True]
+    with pytest.raises(TypeError):
+        dsv4_sparse_attn.set_deterministic_backward(1)
+
+
+def test_python_m_report_runs_on_cpu(capsys):
+    from dsv4_sparse_attn.__main__ import main
+
+    main(["--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "torch " + torch.__version__ in out and "triton " + triton.__version__ in out
+    assert "reference" in out

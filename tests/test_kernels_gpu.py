@@ -6,7 +6,9 @@ import torch
 
 from kernel_checks import Case, check_backward, check_forward, make_case
 from dsv4_sparse_attn.kernels import backward as kbwd
-from dsv4_sparse_attn.kernels import forward as kfwd
+from dsv4_sparse_attn.kernels import backward_triton
+from dsv4_sparse_attn.kernels import forward_triton as kfwd
+from dsv4_sparse_attn.kernels.common import Call
 from dsv4_sparse_attn.kernels.forward_gluon import MIN_HEADS as GLUON_FWD_MIN_HEADS
 
 pytestmark = [
@@ -79,9 +81,9 @@ GLUON_BWD_CASES = [c for c in CASES if c.D == 512] + _GLUON_EXTRA + [
 def test_gluon_forward_matches_reference(case):
     from dsv4_sparse_attn.kernels import forward_gluon
 
-    q = torch.empty(1, case.H, case.D, device=DEV, dtype=case.dtype)
-    if not forward_gluon.supported(q, case.D, case.H):
-        pytest.skip("the Gluon kernel needs an sm_90 GPU (H100/H200)")
+    reason = forward_gluon.rejects(Call.of(torch.empty(1, case.H, case.D, device=DEV, dtype=case.dtype)))
+    if reason:
+        pytest.skip(f"the Gluon forward does not run here: {reason}")
     check_forward(case, DEV, fwd=forward_gluon.sparse_mla_fwd)
 
 
@@ -92,17 +94,23 @@ def test_backward_matches_reference(case, deterministic):
 
 
 def _gluon_bwd_or_skip(H=64, D=512):
+    """The Gluon backward module, or a skip with the reason it does not run here."""
     from dsv4_sparse_attn.kernels import backward_gluon
 
-    if not backward_gluon.supported(torch.empty(1, H, D, device=DEV, dtype=BF), D, H):
-        pytest.skip("the Gluon kernel needs an sm_90 GPU (H100/H200)")
+    reason = backward_gluon.rejects(Call.of(torch.empty(1, H, D, device=DEV, dtype=BF)))
+    if reason:
+        pytest.skip(f"the Gluon backward does not run here: {reason}")
+    return backward_gluon
+
+
+def _main(gluon: bool):
+    return _gluon_bwd_or_skip() if gluon else backward_triton
 
 
 @pytest.mark.parametrize("case", GLUON_BWD_CASES + [Case(64, 128, 512, 300, 256, ids="shared")], ids=str)
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
 def test_gluon_backward_matches_reference(case, deterministic):
-    _gluon_bwd_or_skip(case.H)
-    check_backward(case, DEV, deterministic=deterministic, gluon=True)
+    check_backward(case, DEV, deterministic=deterministic, main=_gluon_bwd_or_skip(case.H))
 
 
 def test_backward_without_grad_lse():
@@ -110,35 +118,34 @@ def test_backward_without_grad_lse():
 
 
 @pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
-def test_backward_chunked_equals_unchunked(monkeypatch, gluon):
-    """A tiny partial-buffer budget forces one token per chunk: same gradients up to the
-    fp32 summation order (chunking changes the order, so not bitwise)."""
-    from helpers import relerr
-
-    if gluon:
-        _gluon_bwd_or_skip()
-    c = Case(12, 128, 512, 80, 70, ids="dup")  # two head blocks: the Gluon path pairs them
-    q, kv, idx, sink = make_case(c, DEV)
-    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5)
-    do, dl = torch.randn_like(out), torch.randn_like(lse)
-    a = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, gluon=gluon)
-    monkeypatch.setattr(kbwd, "PARTIAL_BYTES", 1)
-    b = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, gluon=gluon)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])  # grad_q, grad_sink: no chunk dependence
-    assert relerr(b[1], a[1]) < 1e-2  # grad_kv: bf16 rounding of fp32 sums in another order
+def test_deterministic_backward_does_not_depend_on_chunking(monkeypatch, gluon):
+    """A tiny partial-buffer budget forces one token per chunk: the deterministic mode
+    folds every kv row's contributions in one fixed order whatever the chunks, so the
+    gradients are bitwise the same as unchunked (heavily shared rows, duplicates)."""
+    main = _main(gluon)
+    for c in (Case(12, 128, 512, 80, 70, ids="dup"),  # two head blocks: the Gluon path pairs them
+              Case(40, 64, 512, 30, 100, ids="shared")):
+        q, kv, idx, sink = make_case(c, DEV)
+        out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5)
+        do, dl = torch.randn_like(out), torch.randn_like(lse)
+        a = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main)
+        with monkeypatch.context() as m:
+            m.setattr(kbwd, "PARTIAL_BYTES", 1)
+            b = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
 def test_backward_is_deterministic(gluon):
     """Two runs on the same inputs give bitwise-identical gradients (heavily shared rows)."""
-    if gluon:
-        _gluon_bwd_or_skip()
+    main = _main(gluon)
     c = Case(256, 128, 512, 300, 256, ids="shared")
     q, kv, idx, sink = make_case(c, DEV)
     out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5)
     do, dl = torch.randn_like(out), torch.randn_like(lse)
-    a = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, gluon=gluon)
-    b = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, gluon=gluon)
+    a = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main)
+    b = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
@@ -151,7 +158,7 @@ def test_no_recompile_when_T_K_N_change():
     """T, N and K are runtime values: three sequence lengths / top-ks compile each kernel once."""
     from dsv4_sparse_attn.kernels import backward_gluon, forward_gluon
 
-    gluon = forward_gluon.supported(torch.empty(1, 64, 512, device=DEV, dtype=BF), 512, 64)
+    gluon = forward_gluon.rejects(Call.of(torch.empty(1, 64, 512, device=DEV, dtype=BF))) is None
     shapes = [(100, 64, 160), (257, 64, 129), (1031, 64, 47)]
     sizes_before = None
     for i, (T, H, K) in enumerate(shapes):
@@ -161,8 +168,10 @@ def test_no_recompile_when_T_K_N_change():
             check_forward(c, DEV, fwd=forward_gluon.sparse_mla_fwd)
         check_backward(c, DEV)
         if gluon:
-            check_backward(c, DEV, gluon=True)
-        sizes = (_n_compiled(kfwd._sparse_mla_fwd_kernel), _n_compiled(kbwd._bwd_main_kernel),
+            check_backward(c, DEV, main=backward_gluon)
+            check_backward(c, DEV, main=backward_gluon, deterministic=False)
+        sizes = (_n_compiled(kfwd._sparse_mla_fwd_kernel), _n_compiled(backward_triton._bwd_main_kernel),
+                 _n_compiled(kbwd._acc_to_kv_kernel),
                  _n_compiled(kbwd._dkv_reduce_kernel), _n_compiled(kbwd._bwd_delta_kernel),
                  _n_compiled(forward_gluon._sparse_mla_fwd_gluon_kernel),
                  _n_compiled(backward_gluon._bwd_main_gluon_kernel))
@@ -181,8 +190,9 @@ def test_forward_int64_offsets(kernel):
     q = torch.randn(T, H, D, device=DEV, dtype=BF)
     fwd = kfwd.sparse_mla_fwd
     if kernel == "gluon":
-        if not forward_gluon.supported(q, D, H):
-            pytest.skip("the Gluon kernel needs an sm_90 GPU (H100/H200)")
+        reason = forward_gluon.rejects(Call.of(q))
+        if reason:
+            pytest.skip(f"the Gluon forward does not run here: {reason}")
         fwd = forward_gluon.sparse_mla_fwd
     kv = torch.randn(64, D, device=DEV, dtype=BF)
     idx = torch.randint(0, 64, (T, 8), device=DEV, dtype=I32)
@@ -204,16 +214,13 @@ def test_backward_int64_offsets(kernel):
     Only the last tokens select kv rows (every other row is empty), so grad_kv and
     grad_sink are theirs alone and the float64 oracle runs on those tokens only.
     """
-    from dsv4_sparse_attn.kernels import backward_gluon
     from helpers import oracle_bwd, relerr
     from kernel_checks import TOL
 
+    main = _main(kernel == "gluon")
     T, H, D, N, K, last = 33000, 128, 512, 64, 64, 3
     torch.manual_seed(0)
     q = torch.randn(T, H, D, device=DEV, dtype=BF)
-    gluon = kernel == "gluon"
-    if gluon and not backward_gluon.supported(q, D, H):
-        pytest.skip("the Gluon kernel needs an sm_90 GPU (H100/H200)")
     kv = torch.randn(N, D, device=DEV, dtype=BF)
     sink = torch.randn(H, device=DEV)
     idx = torch.full((T, K), -1, device=DEV, dtype=I32)
@@ -221,7 +228,7 @@ def test_backward_int64_offsets(kernel):
     out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
     do = torch.randn_like(out)
     gq = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    gq, gkv, gs = kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5, grad_q=gq, gluon=gluon)
+    gq, gkv, gs = kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5, main=main, grad_q=gq)
     rq, rkv, rs = oracle_bwd(do[-last:], None, q[-last:], kv, idx[-last:], sink)
     assert relerr(gq[-last:], rq) < TOL[BF]["grad"]
     assert relerr(gkv, rkv) < TOL[BF]["grad"]
@@ -248,15 +255,38 @@ def test_ops_dispatch_to_kernel_and_fallback():
     out, lse = torch.ops.dsv4.sparse_mla(q, kv, idx, sink)
     ro, rl = oracle_fwd(q, kv, idx, sink)
     assert relerr(out, ro) < TOL[BF]["out"]
-    assert not any(dispatch._gluon_broken.values()), "a Gluon kernel failed to build; Triton took over"
+    assert not dispatch._broken, f"a Gluon kernel failed to build: {dispatch._broken}"
     q.requires_grad_(True)
     kv.requires_grad_(True)
     torch.ops.dsv4.sparse_mla(q, kv, idx, sink)[0].float().square().sum().backward()
     assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
-    assert not any(dispatch._gluon_broken.values()), "the Gluon backward failed to build; Triton took over"
+    assert not dispatch._broken, f"the Gluon backward failed to build: {dispatch._broken}"
     q, kv = q.detach(), kv.detach()
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         out32, _ = torch.ops.dsv4.sparse_mla(q.float(), kv.float(), idx, sink)
     assert any("reference" in str(x.message) for x in w)
     assert relerr(out32, ro) < 1e-5
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "fast"])
+def test_op_runs_the_gluon_kernels_on_hopper(deterministic):
+    """On an H100/H200 the op takes the Gluon forward and backward (no silent fallback to
+    Triton: the Triton 3.6-3.9 portability check), in both backward modes."""
+    from dsv4_sparse_attn.kernels import dispatch
+
+    _gluon_bwd_or_skip()
+    q = torch.empty(1, 64, 512, device=DEV, dtype=BF)
+    assert dispatch.choose("forward", Call.of(q))[0] == "gluon_sm90"
+    assert dispatch.choose("backward", Call.of(q, deterministic))[0] == "gluon_sm90"
+    c = Case(40, 64, 512, 300, 200, ids="deepseek")
+    q, kv, idx, sink = make_case(c, DEV)
+    dsv4 = __import__("dsv4_sparse_attn")
+    dsv4.set_deterministic_backward(deterministic)
+    try:
+        q.requires_grad_(True)
+        torch.ops.dsv4.sparse_mla(q, kv, idx, sink)[0].float().square().sum().backward()
+    finally:
+        dsv4.set_deterministic_backward(None)
+    assert not dispatch._broken, dispatch._broken
+    assert torch.isfinite(q.grad).all()

@@ -5,7 +5,7 @@ Importing the package registers the ``torch.ops.dsv4`` ops.
 from . import ops  # noqa: F401  (registers torch.ops.dsv4.*)
 from .api import sparse_attn, sparse_mla
 from .checkpointing import checkpoint_contexts, sac_policy
-from .kernels.dispatch import deterministic_backward, set_deterministic_backward
+from .kernels.dispatch import deterministic_backward, set_deterministic_backward, use_kernels
 from .modules import SparseMLAAttention
 
 __all__ = [
@@ -16,5 +16,6 @@ __all__ = [
     "checkpoint_contexts",
     "set_deterministic_backward",
     "deterministic_backward",
+    "use_kernels",
 ]
 __version__ = "0.1.0"

@@ -12,8 +12,8 @@ is the forward building block (for users composing their own autograd and for
 selective activation checkpointing policies). ``sparse_mla_bwd`` has no double
 backward and says so.
 
-CPU tensors run the exact PyTorch reference; CUDA tensors run the Triton kernels
-(``kernels/``), which fall back to the reference for shapes they cannot take.
+CPU tensors run the exact PyTorch reference; CUDA tensors run the kernel that
+``kernels/dispatch.py`` chooses (Gluon, Triton, or the reference for calls no kernel takes).
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """Gluon main kernel of the sparse-MLA backward for Hopper (sm_90), D = 512.
 
-Takes the place of ``backward._bwd_main_kernel`` for D = 512 on sm_90 (``supported``; same
-inputs; the same outputs: grad_q rounded once from fp32, and the block's dKV rows in
-fp32, either as partial rows for the deterministic path's sorted reduction or added to
-grad_kv with fp32 atomics). Warp-specialised and persistent: one program per SM walks
-the (token, 64-head block) tiles of a token chunk, with three partitions of one warp
-group each:
+The main kernel of ``backward.py``'s backward (S, dP, dS, grad_q and the dKV rows; Delta,
+the reductions and grad_sink are ``backward.py``'s). Warp-specialised and persistent:
+one program per SM walks the (token, 64-head block) tiles of a token chunk, with three
+partitions of one warp group each:
 
 - the producer loads a tile's q and dO (64 heads x 512, in four D quarters) and
   gathers the kv rows of every 64-slot block with cp.async into one buffer in two D
@@ -18,20 +16,22 @@ group each:
   accumulates dQ[:, c*256:(c+1)*256] += dS KV (fp32, in registers for the whole tile),
   releases its kv half (the next block's gather starts), and forms the block's dKV rows
   for its half of D, 64 columns at a time: P^T dO + dS^T Q (M = 64 slots, K = 64
-  heads), each piece stored while the next one's wgmma runs.
+  heads), each piece sent off while the next one's wgmma runs.
 
-Nothing of S, dP or the matmuls is computed twice (the Triton kernel's 8-warp layout
-computes S and dP in both warp groups). With an even number of head blocks the
-deterministic path keeps one partial row per pair of head blocks (``_consume_tile``).
-What bounds it now is the dKV stores: 571 TFLOPS at H128 K1152 without them, 319 with.
+The dKV rows go either (``RED``, the fast mode) straight into an fp32 [N + 1, D]
+accumulator with 16-byte vector reductions, in the fake column order of
+``hopper.red_f32x4_fake`` (masked slots add to the spare row N), or (deterministic)
+into per-(token, slot) partial rows that ``backward.py`` sums in a fixed order; with an
+even number of head blocks one partial row serves a pair of them (``_consume_tile``).
+Organisation and measurements: docs/design.md#backward-gluon-hopper-dkv-accumulation,
+docs/performance/backward.md#gluon-main-kernel.
 
 Gluon has no interpreter: tested on the GPU (tests/test_kernels_gpu.py) and compiled
-for sm_90 in CI (tests/test_sm90_compile.py). Measurements: benchmarks/NOTES.md.
+for sm_90 in CI (tests/test_sm90_compile.py).
 """
 from __future__ import annotations
 
-import os
-
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -42,14 +42,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .backward import _MAIN_RUNTIME_INTS
-from .common import cuda_properties
-from .forward_gluon import _load_ids, sm90_takes
+from .common import KERNEL_DTYPES, cuda_properties
+from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, fake_group_base, gluon_unavailable, load_ids,
+                     not_sm90, red_f32x4_fake, thread_barrier)
 
-__all__ = ["launch_main", "pairs_head_blocks", "supported"]
-
-NUM_WARPS = 4  # per partition; the kernel runs 3 partitions (12 warps)
-MAXNREG = 168  # 12 warps x 32 threads x 168 registers fit the 64K register file
+NAME = "gluon_sm90"
+BLOCK_H = 64  # heads of a tile (fewer heads: the tile's other rows are masked)
+BLOCK_K = 64  # slots of a block: partial rows are padded to whole blocks
+ACC_FAKE_ORDER = True  # the fast mode's accumulator is in fake column order...
+ACC_SPARE_ROW = True  # ...with a row N that masked slots add to
 
 # mbarrier slots
 _QD_READY = gl.constexpr(0)
@@ -59,22 +60,22 @@ _KV_FREE = gl.constexpr(4)  # + D half
 _PDS_READY = gl.constexpr(6)
 _PDS_FREE = gl.constexpr(7)
 _N_BARS = gl.constexpr(8)
-# Development diagnostics (wrong results; benchmarks/NOTES.md): bit 0 drops the dKV
-# stores, bit 1 the kv gathers after a tile's first block, bit 2 the q/dO loads after
-# a program's first tile.
-_DIAG = gl.constexpr(int(os.environ.get("DSV4_BWD_DIAG", "0")))
 # How many slot blocks a pair's leader may run ahead of its follower's adds (see
 # _consume_tile). H200, T=4096, H=128: 0 (lockstep) -8.8% backward time against no pacing
-# at K=1152 and K=512, 1 -7.5%, 2 -4%, 4 -1% (benchmarks/NOTES.md). Must be >= 0.
+# at K=1152 and K=512, 1 -7.5%, 2 -4%, 4 -1%
+# (docs/performance/backward.md#pacing-the-head-block-pair). Must be >= 0.
 _LAG = gl.constexpr(0)
-_BH = gl.constexpr(64)  # heads of a tile
-_BK = gl.constexpr(64)  # slots of a block
+_BH = gl.constexpr(BLOCK_H)
+_BK = gl.constexpr(BLOCK_K)
 _QD = gl.constexpr(128)  # D quarter: D = 512 only
 
 
 @gluon.jit
-def _producer(Q, DO, KV, IDX, H, N, K, t_begin, n_tiles, stride_qt, stride_qh, stride_dt, stride_dh,
-              stride_kvn, stride_it, q_smem, do_smem, kv_smem, bars, nb, rank):
+def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank):
+    Q, DO, KV, IDX = io
+    H, N, K = sizes
+    stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it = strides
+    q_smem, do_smem, kv_smem, bars = smem
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte copies
     offs_d = gl.arange(0, _QD, layout=gl.SliceLayout(0, ld))
     offs_r = gl.arange(0, _BK, layout=gl.SliceLayout(1, ld))
@@ -91,14 +92,13 @@ def _producer(Q, DO, KV, IDX, H, N, K, t_begin, n_tiles, stride_qt, stride_qh, s
         h64 = h[:, None].to(gl.int64)
         q_ptrs = Q + pid_t * stride_qt + h64 * stride_qh + offs_d[None, :]
         do_ptrs = DO + pid_t * stride_dt + h64 * stride_dh + offs_d[None, :]
-        if (_DIAG & 4) == 0 or tcount == 0:
-            for c in gl.static_range(4):
-                cp.async_copy_global_to_shared(q_smem.index(c), q_ptrs + c * _QD, mask=h_ok)
-                cp.async_copy_global_to_shared(do_smem.index(c), do_ptrs + c * _QD, mask=h_ok)
+        for c in gl.static_range(4):
+            async_load(q_smem.index(c), q_ptrs + c * _QD, mask=h_ok)
+            async_load(do_smem.index(c), do_ptrs + c * _QD, mask=h_ok)
         cp.mbarrier_arrive(bars.index(_QD_READY), increment_count=False)
 
         idx_row = IDX + pid_t * stride_it
-        ids = _load_ids(idx_row, 0, K, offs_r)
+        ids = load_ids(idx_row, 0, K, offs_r)
         g0 = tcount * nb
         for j in range(0, nb):
             free_phase = ((g0 + j) & 1) ^ 1
@@ -107,29 +107,26 @@ def _producer(Q, DO, KV, IDX, H, N, K, t_begin, n_tiles, stride_qt, stride_qh, s
             rows = gl.where(valid, ids64, 0)  # masked ids never form an address (zero rows)
             ptrs = KV + rows[:, None] * stride_kvn + offs_d[None, :]
             vm = valid[:, None]
-            ids = _load_ids(idx_row, (j + 1) * _BK, K, offs_r)  # next block's ids, ahead
+            ids = load_ids(idx_row, (j + 1) * _BK, K, offs_r)  # next block's ids, ahead
             for half in gl.static_range(2):
                 mbarrier.wait(bars.index(_KV_FREE + half), free_phase)
-                if (_DIAG & 2) == 0 or j == 0:
-                    cp.async_copy_global_to_shared(kv_smem.index(2 * half), ptrs + (2 * half) * _QD, mask=vm)
-                    cp.async_copy_global_to_shared(kv_smem.index(2 * half + 1), ptrs + (2 * half + 1) * _QD,
-                                                   mask=vm)
+                async_load(kv_smem.index(2 * half), ptrs + (2 * half) * _QD, mask=vm)
+                async_load(kv_smem.index(2 * half + 1), ptrs + (2 * half + 1) * _QD, mask=vm)
                 cp.mbarrier_arrive(bars.index(_KV_READY + half), increment_count=False)
         tcount += 1
 
 
 @gluon.jit
-def _consumer(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt,
-              stride_gt, stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb,
-              FLAGS, rank, paired, WG: gl.constexpr, ATOMIC: gl.constexpr):
+def _consumer(args, WG: gl.constexpr, RED: gl.constexpr):
+    io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired = args
+    H, N, K = sizes
     n_hb = gl.cdiv(H, _BH)
     tcount = 0
     for tile in range(rank, n_tiles, gl.num_programs(0)):
         pid_c = (tile // n_hb).to(gl.int64)  # token within the chunk
         pid_h = tile % n_hb
-        _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_lt, stride_gt, stride_gh,
-                      scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb,
-                      pid_c, t_begin + pid_c, pid_h, n_hb, tcount, FLAGS, paired, n_tiles, rank, WG, ATOMIC)
+        _consume_tile(io, sizes, strides, smem, scales, nb, pid_c, t_begin + pid_c, pid_h, n_hb, tcount, paired,
+                      n_tiles, rank, WG, RED)
         tcount += 1
 
 
@@ -144,28 +141,31 @@ def _dkv_piece(p_smem, ds_smem, do_smem, q_smem, quarter, hh: gl.constexpr, zero
 
 
 @gluon.jit
-def _store_piece(row_ptr, offs_d, acc, mask, follower, paired, ATOMIC: gl.constexpr):
-    """acc[slot, c] to row_ptr[slot] + c: fp32 atomics into grad_kv, or partial rows:
-    stored, or (the follower of a head-block pair) added once to the leader's."""
-    ptrs = row_ptr[:, None] + offs_d[None, :]
-    if ATOMIC:
-        gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
-    elif _DIAG & 1:  # diagnostic: stores masked off at run time
-        gl.store(ptrs, acc, mask=mask)
-    elif follower:
-        gl.atomic_add(ptrs, acc, sem="relaxed")
-    elif paired:  # the follower adds to these rows shortly: keep them in L2
-        gl.store(ptrs, acc)
-    else:  # streaming: each partial row is read once, by the reduction (+5%)
-        gl.store(ptrs, acc, cache_modifier=".cs")
+def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr):
+    """acc[slot, c] to row row_ptr[slot], column c: added to the fake-ordered fp32
+    accumulator (``RED``), or a partial row: stored, or (the follower of a head-block
+    pair) added once to the leader's."""
+    if RED:
+        red_f32x4_fake(fake_group_base(row_ptr, offs_d), acc, gl.full(acc.shape, 1, gl.int32, acc.type.layout) * on)
+    else:
+        ptrs = row_ptr[:, None] + offs_d[None, :]
+        if follower:
+            gl.atomic_add(ptrs, acc, sem="relaxed")
+        elif paired:  # the follower adds to these rows shortly: keep them in L2
+            gl.store(ptrs, acc)
+        else:  # streaming: each partial row is read once, by the reduction (+5%)
+            gl.store(ptrs, acc, cache_modifier=".cs")
 
 
 @gluon.jit
-def _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_lt, stride_gt, stride_gh,
-                  scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb,
-                  pid_c, pid_t, pid_h, n_hb, tcount, FLAGS, paired, n_tiles, rank, WG: gl.constexpr,
-                  ATOMIC: gl.constexpr):
+def _consume_tile(io, sizes, strides, smem, scales, nb, pid_c, pid_t, pid_h, n_hb, tcount, paired, n_tiles, rank,
+                  WG: gl.constexpr, RED: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1)."""
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS = io
+    H, N, K = sizes
+    stride_it, stride_lt, stride_gt, stride_gh = strides
+    q_smem, do_smem, kv_smem, p_smem, ds_smem, bars = smem
+    scale, scale_log2 = scales
     D: gl.constexpr = 4 * _QD
     dtype: gl.constexpr = q_smem.dtype
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -175,7 +175,7 @@ def _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_
     row_l: gl.constexpr = gl.SliceLayout(1, s_l)
     col_l: gl.constexpr = gl.SliceLayout(0, s_l)
     # A dKV piece is [_BK slots, 64 columns] with S's wgmma layout: each thread holds two
-    # slot rows and pairs of adjacent columns (8-byte stores).
+    # slot rows and pairs of adjacent columns.
     dkv_k_l: gl.constexpr = gl.SliceLayout(1, s_l)
     dkv_d_l: gl.constexpr = gl.SliceLayout(0, s_l)
 
@@ -219,6 +219,9 @@ def _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_
     flag_ptr = FLAGS + 1 + (pid_c * n_part + part_h) * 2 + WG
     done_ptr = flag_ptr + n_tiles  # the follower's count of added blocks
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
+    # 1 at run time; the compiler cannot tell, so the reductions stay predicated (with
+    # plain ones ptxas serialises the wgmmas for lack of registers: tests/test_sm90_compile.py)
+    on = (pid_c >= 0).to(gl.int32)
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
     for j in range(0, nb):
@@ -231,7 +234,7 @@ def _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_
         # of stalls on L1TEX scoreboards; -8% backward time once P and dS got this too).
         z = j * gl.program_id(2)
         if g % 2 == WG:  # my block: S, dP, P and dS
-            ids = _load_ids(idx_row, j * _BK, K, offs_c)
+            ids = load_ids(idx_row, j * _BK, K + z, offs_c)  # (K + z: see the load of ids_k below)
             mbarrier.wait(bars.index(_KV_READY + 0), ph)
             fence_async_shared()
             s = warpgroup_mma(q_smem.index(z), kv_smem.index(z).permute((1, 0)), s_zero, use_acc=False,
@@ -269,18 +272,18 @@ def _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_
         # (M = 64 slots, N = 128 columns, K = 64 heads; P and dS read transposed).
         # (offsets built from z stay in the loop: hoisted, they would spill)
         offs_kz = offs_ks + z
-        if ATOMIC:
-            ids_k = _load_ids(idx_row, j * _BK, K, offs_kz).to(gl.int64)
+        if RED:
+            # (the bound K + z is not loop-invariant either: Triton 3.9 otherwise turns the
+            # mask into per-element 64-bit bounds, hoists them out of the loop and spills them)
+            ids_k = load_ids(idx_row, j * _BK, K + z, offs_kz).to(gl.int64)
             valid_k = (ids_k >= 0) & (ids_k < N)
-            row_ptr = DKV + gl.where(valid_k, ids_k, 0) * D  # [slot] row starts
-            mask = valid_k[:, None]
+            row_ptr = ACC + gl.where(valid_k, ids_k, N) * D  # masked slots add to the spare row N
         else:
-            mask = (offs_kz < (pid_c < 0).to(gl.int32))[:, None]  # (only the store diagnostic uses it)
             # (the buffer's slot dim is padded to whole blocks: stores need no mask)
             # (j ^ z == j, but not an induction variable: LLVM would otherwise strength-reduce
             # every store address into its own loop-carried pointer)
             row_ptr = PARTIAL + ((pid_c * n_part + part_h) * nb + (j ^ z)) * (_BK * D) + offs_kz * D
-        # Four 64-column pieces (32 registers each next to dQ's 128); each piece's stores
+        # Four 64-column pieces (32 registers each next to dQ's 128); each piece's adds
         # are issued while the next piece's wgmma runs.
         acc = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + z, 0, dkv_zero)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -291,18 +294,18 @@ def _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_
         if pace:  # no more than _LAG blocks ahead of the follower's adds
             while gl.atomic_add(done_ptr, 0, sem="relaxed", scope="gpu") < j - _LAG:
                 pass
-        _store_piece(row_ptr + (2 * WG * _QD), offs_dd, acc, mask, follower, paired, ATOMIC)
+        _send_piece(row_ptr + (2 * WG * _QD), offs_dd, acc, on, follower, paired, RED)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + 1 + z, 0, dkv_zero)
-        _store_piece(row_ptr + (2 * WG * _QD + 64), offs_dd, acc, mask, follower, paired, ATOMIC)
+        _send_piece(row_ptr + (2 * WG * _QD + 64), offs_dd, acc, on, follower, paired, RED)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + 1 + z, 1, dkv_zero)
-        _store_piece(row_ptr + ((2 * WG + 1) * _QD), offs_dd, acc, mask, follower, paired, ATOMIC)
+        _send_piece(row_ptr + ((2 * WG + 1) * _QD), offs_dd, acc, on, follower, paired, RED)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         mbarrier.arrive(bars.index(_PDS_FREE))  # P and dS read for the last time
-        _store_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, mask, follower, paired, ATOMIC)
+        _send_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, on, follower, paired, RED)
         if leader:  # publish: every thread's stores of this block, then the count (release)
-            gl.thread_barrier()
+            thread_barrier()
             gl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
         if follower:  # (pacing only: no ordering needed)
             gl.atomic_add(done_ptr, 1, sem="relaxed", scope="gpu")
@@ -317,58 +320,20 @@ def _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_
     gl.store(dq_ptrs + _QD, dq1.to(DQ.dtype.element_ty), mask=hq_ok)
 
 
-# Partitions receive their arguments as IR values (a constexpr would arrive as a
-# runtime scalar), so their compile-time parameters are fixed in these wrappers.
-@gluon.jit
-def _consumer0_partial(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt,
-                       stride_gt, stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem,
-                       bars, nb, FLAGS, rank, paired):
-    _consumer(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt,
-              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, FLAGS, rank,
-              paired, 0, False)
-
-
-@gluon.jit
-def _consumer1_partial(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt,
-                       stride_gt, stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem,
-                       bars, nb, FLAGS, rank, paired):
-    _consumer(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt,
-              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, FLAGS, rank,
-              paired, 1, False)
-
-
-@gluon.jit
-def _consumer0_atomic(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt,
-                      stride_gt, stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem,
-                      bars, nb, FLAGS, rank, paired):
-    _consumer(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt,
-              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, FLAGS, rank,
-              paired, 0, True)
-
-
-@gluon.jit
-def _consumer1_atomic(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt,
-                      stride_gt, stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem,
-                      bars, nb, FLAGS, rank, paired):
-    _consumer(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt,
-              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, FLAGS, rank,
-              paired, 1, True)
-
-
-# Same runtime integers as the Triton kernel (no recompile per T, N, H or K), plus the
+# Runtime integers (no recompile per T, N, H or K; as in the Triton main kernel), plus the
 # chunk's tile count and the pairing switch.
-_RUNTIME_INTS = _MAIN_RUNTIME_INTS + ["n_tiles", "paired"]
+_RUNTIME_INTS = ["H", "N", "K", "t_begin", "n_tiles", "paired", "stride_it", "stride_lt"]
 
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_main_gluon_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, PARTIAL, FLAGS,
-    T, H, N, K, t_begin, n_tiles, paired,
+    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS,
+    H, N, K, t_begin, n_tiles, paired,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh,
     stride_lt, stride_gt, stride_gh,
     scale, scale_log2,
     D: gl.constexpr,
-    ATOMIC: gl.constexpr,
+    RED: gl.constexpr,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512")
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -396,33 +361,42 @@ def _bwd_main_gluon_kernel(
     # program_id: the program holding a pair's odd tile then knows the one holding the
     # even tile (the rank below) has started, so its wait always ends.
     rank = gl.atomic_add(FLAGS, 1, sem="relaxed")
-    c_args = (IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt,
-              stride_gh, scale, scale_log2, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, FLAGS, rank,
+    sizes = (H, N, K)
+    c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS), sizes, (stride_it, stride_lt, stride_gt, stride_gh),
+              (q_smem, do_smem, kv_smem, p_smem, ds_smem, bars), (scale, scale_log2), t_begin, n_tiles, nb, rank,
               paired)
-    p_args = (Q, DO, KV, IDX, H, N, K, t_begin, n_tiles, stride_qt, stride_qh, stride_dt, stride_dh,
-              stride_kvn, stride_it, q_smem, do_smem, kv_smem, bars, nb, rank)
+    p_args = ((Q, DO, KV, IDX), sizes, (stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it),
+              (q_smem, do_smem, kv_smem, bars), t_begin, n_tiles, nb, rank)
     # The producer is the default partition (ptxas compiles it under MAXNREG; the
-    # workers get setmaxnreg budgets): 3 x 168 = 40 + 232 + 232 registers a thread.
-    if ATOMIC:
-        gl.warp_specialize([(_producer, p_args), (_consumer0_atomic, c_args), (_consumer1_atomic, c_args)],
-                           [4, 4], [232, 232])
-    else:
-        gl.warp_specialize([(_producer, p_args), (_consumer0_partial, c_args), (_consumer1_partial, c_args)],
-                           [4, 4], [232, 232])
+    # consumers get setmaxnreg budgets).
+    gl.warp_specialize([(_producer, p_args), (_consumer, (c_args, 0, RED)), (_consumer, (c_args, 1, RED))],
+                       [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
-# Fewest heads for which the atomic (opt-in) path runs this kernel rather than the Triton
-# one (benchmarks/NOTES.md, sixth session). Below 64 heads a tile is partly padding, but
-# the backward is bound by its dKV traffic, which does not depend on H: the deterministic
-# path is 11-12% faster here than with the Triton kernel even at H = 1..16, the atomic
-# path 1-5% slower there, and 19-28% faster from H = 24.
-MIN_ATOMIC_HEADS = 17
+def rejects(call) -> str | None:
+    """Why this kernel does not run the backward's main work for ``call`` (None: it does).
+
+    Its whole rule: a Triton with Gluon's Hopper API, an sm_90 GPU, bf16/fp16 and D = 512.
+    Any H, in both modes: below 64 heads a tile's other rows are masked, and the
+    backward is bound by its dKV traffic, which does not depend on H (at H = 16, K = 1152
+    it takes 20% less time than the Triton kernel in the fast mode and 11% less in the
+    deterministic one: docs/performance/backward.md#small-head-counts).
+    """
+    if gluon_unavailable():
+        return f"no Gluon in this Triton ({gluon_unavailable()})"
+    reason = not_sm90(call.device)
+    if reason:
+        return reason
+    if call.dtype not in KERNEL_DTYPES:
+        return f"dtype {call.dtype} (takes bfloat16 and float16)"
+    if call.D != 512:
+        return f"head dim D={call.D} (takes D = 512)"
+    return None
 
 
-def supported(q, D: int, H: int, deterministic: bool = True) -> bool:
-    """Whether the backward's main kernel is this one: ``sm90_takes`` (sm_90, bf16/fp16,
-    D = 512), at any H on the deterministic path and H >= MIN_ATOMIC_HEADS on the atomic one."""
-    return (deterministic or H >= MIN_ATOMIC_HEADS) and sm90_takes(q, D)
+def partial_slots(K: int) -> int:
+    """Slots per token of the partial-row buffer: whole 64-slot blocks (unmasked stores)."""
+    return triton.cdiv(K, BLOCK_K) * BLOCK_K
 
 
 def pairs_head_blocks(n_hb: int, deterministic: bool) -> bool:
@@ -430,12 +404,20 @@ def pairs_head_blocks(n_hb: int, deterministic: bool) -> bool:
     return deterministic and n_hb % 2 == 0
 
 
-def launch_main(q, kv, indices, grad_out, lse, delta, grad_q, grad_kv, partial, flags, T, H, N, K, t_begin,
-                n_tok, scale, scale_log2, n_hb, paired):
-    """One chunk of tokens [t_begin, t_begin + n_tok): the Triton main kernel's contract,
-    except that with ``paired`` (the caller's ``pairs_head_blocks``; partial rows only)
-    the partial buffer holds one row per pair of head blocks. ``flags``: int32 zeros, at
-    least 1 + 2 * n_tok * n_hb (the ticket, the leaders' and the followers' counts)."""
+def flags_per_chunk(n_tok: int, n_hb: int) -> int:
+    """int32 zeros the kernel needs per launch: its ticket, the leaders' and the followers' counts."""
+    return 1 + 2 * n_tok * n_hb
+
+
+def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
+           scale_log2, paired):
+    """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
+    [N + 1, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
+    [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
+    ``flags``: ``flags_per_chunk`` int32 zeros."""
+    T, H, D = q.shape
+    N, K = kv.shape[0], indices.shape[1]
+    n_hb = triton.cdiv(H, BLOCK_H)
     n_tiles = n_tok * n_hb
     if paired and (partial is None or n_hb % 2):
         raise ValueError("head blocks pair up only on the partial-row path, with an even count")
@@ -443,11 +425,14 @@ def launch_main(q, kv, indices, grad_out, lse, delta, grad_q, grad_kv, partial, 
     if paired:  # an even program count keeps both tiles of a pair in the same round
         grid -= grid % 2
     _bwd_main_gluon_kernel[(grid,)](
-        q, kv, indices, grad_out, lse, delta, grad_q, grad_kv,
-        partial if partial is not None else grad_kv, flags,
-        T, H, N, K, t_begin, n_tiles, int(paired),
+        q, kv, indices, grad_out, lse, delta, grad_q, acc, partial if partial is not None else acc, flags,
+        H, N, K, t_begin, n_tiles, int(paired),
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
-        D=q.shape[2], ATOMIC=partial is None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+        D=D, RED=partial is None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
+
+
+def tile_heads(D: int, H: int) -> int:
+    return BLOCK_H

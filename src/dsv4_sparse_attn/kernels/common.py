@@ -1,8 +1,11 @@
-"""Helpers shared by the kernel launchers: interpreter switch, one-time warnings, limits."""
+"""What the Triton kernels and their launchers share: the description of a call that
+kernels are chosen by, what plain Triton takes, interpreter switch, one-time warnings,
+row loads."""
 from __future__ import annotations
 
 import functools
 import warnings
+from typing import NamedTuple
 
 import torch
 import triton
@@ -33,12 +36,30 @@ def warn_once(key: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def unsupported_reason(q: torch.Tensor, D: int) -> str | None:
-    """Why the Triton kernels cannot take this call (None when they can)."""
-    if q.dtype not in KERNEL_DTYPES:
-        return f"dtype {q.dtype} (kernels take bfloat16 and float16)"
-    if D not in SUPPORTED_D:
-        return f"head dim D={D} (kernels take D in {SUPPORTED_D})"
+class Call(NamedTuple):
+    """What decides which kernel runs a call: each kernel's ``rejects(call)`` reads this."""
+
+    device: torch.device
+    dtype: torch.dtype
+    D: int
+    H: int
+    deterministic: bool = True  # backward only
+
+    @classmethod
+    def of(cls, q: torch.Tensor, deterministic: bool = True) -> "Call":
+        T, H, D = q.shape
+        return cls(q.device, q.dtype, D, H, deterministic)
+
+
+def triton_rejects(call: Call) -> str | None:
+    """Why the plain Triton kernels (forward and backward) do not take ``call`` (None:
+    they do): bf16/fp16 with D in SUPPORTED_D, any H, on any CUDA GPU Triton supports."""
+    if call.device.type != "cuda":
+        return f"{call.device.type} tensors (the kernels run on CUDA)"
+    if call.dtype not in KERNEL_DTYPES:
+        return f"dtype {call.dtype} (takes bfloat16 and float16)"
+    if call.D not in SUPPORTED_D:
+        return f"head dim D={call.D} (takes D in {SUPPORTED_D})"
     return None
 
 
@@ -90,7 +111,7 @@ def slot_rows(idx_row, offs_k, K, N):
 @triton.jit
 def load_tile(ptr, mask, DOT_FP32: tl.constexpr):
     """A masked tile load (0 where masked), as fp32 when DOT_FP32 is set: the
-    interpreter mis-computes bf16 dots (DESIGN.md section 5)."""
+    interpreter mis-computes bf16 dots (docs/design.md#testing-without-a-gpu)."""
     x = tl.load(ptr, mask=mask, other=0.0)
     if DOT_FP32:
         x = x.to(tl.float32)

@@ -1,114 +1,176 @@
-"""Choose, for a CUDA call, the kernel that runs it.
+"""Which kernel runs a CUDA call: one ordered list of candidates per direction.
 
-Forward: the Gluon kernel (``forward_gluon``) on sm_90 for D = 512 and H > 16, the
-Triton kernel (``forward``) for the other shapes it takes. Backward: the Triton
-kernels (``backward``), whose main kernel is the Gluon one (``backward_gluon``) on sm_90
-for D = 512 (deterministic: any H; atomic: H > 16). Each ``supported`` holds the
-measured rule. A call no kernel takes (float32/float64 inputs, a
-head dim outside SUPPORTED_D) runs the exact reference on the GPU after a one-time
-warning: slower, never wrong. If a Gluon kernel fails to build (Gluon's API moves
-between Triton releases) the Triton kernel takes over, also after a one-time warning;
-any other error of a Gluon launch (out of memory, a CUDA error) reaches the caller.
+    forward:  gluon_sm90 (forward_gluon)  -> triton (forward_triton)  -> reference
+    backward: gluon_sm90 (backward_gluon) -> triton (backward_triton) -> reference
+
+The first candidate whose ``rejects(call)`` returns None runs the call; ``rejects`` is
+each kernel's whole rule (head counts, D, dtypes, architecture), with its reasons, and
+docs/design.md#dispatch lists them. The reference is exact and always takes the call:
+slower, never wrong (a one-time warning says why it ran). A Gluon kernel that fails to
+build at its first launch (Gluon's API moves between Triton releases) is dropped for the
+rest of the process after a one-time warning naming the kernel, the Triton version and
+the reason; any other error of a launch (out of memory, a CUDA error) reaches the caller.
+
+The backward's mode: deterministic (bitwise-identical gradients run to run) when
+``set_deterministic_backward(True)`` or, by default, when
+``torch.use_deterministic_algorithms(True)`` is on; otherwise the fast mode (fp32 atomic
+adds into grad_kv; docs/design.md#backward-determinism has the cost of each).
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
+from typing import Iterator, Optional
+
+import torch
+import triton
 from triton.errors import TritonError
 
 from .. import reference
-from . import backward as _bwd
-from . import forward as _fwd
-from .common import unsupported_reason, warn_once
+from . import backward as _backward
+from .common import Call, warn_once
 
-_deterministic = True
-_gluon_broken = {"fwd": False, "bwd": False}
+REFERENCE = "reference"
+# Candidate modules in order of preference; each has NAME, rejects(call) and its launcher.
+CANDIDATES = {
+    "forward": ("forward_gluon", "forward_triton"),
+    "backward": ("backward_gluon", "backward_triton"),
+}
+
+_deterministic: Optional[bool] = None
+_broken: dict = {}  # module -> why it cannot be built here (set at its first failed launch)
+_forced: dict = {}  # direction -> kernel name (use_kernels)
 
 
-def set_deterministic_backward(enabled: bool) -> None:
-    """Deterministic backward (the default): bitwise-identical gradients run to run.
-
-    ``False`` opts into fp32 atomic adds for grad_kv: faster, but the last bits of
-    grad_kv vary between runs (see README, benchmarks/NOTES.md).
-    """
+def set_deterministic_backward(enabled: Optional[bool]) -> None:
+    """``True``: the backward is deterministic (bitwise-identical gradients run to run and
+    for any chunking of T; slower, see the README). ``False``: the fast mode (fp32 atomic
+    adds, last bits of grad_kv vary). ``None`` (the default): deterministic exactly when
+    ``torch.are_deterministic_algorithms_enabled()``."""
     global _deterministic
-    _deterministic = bool(enabled)
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"set_deterministic_backward takes True, False or None, got {enabled!r}")
+    _deterministic = enabled
 
 
 def deterministic_backward() -> bool:
-    return _deterministic
+    """Whether the next backward runs in deterministic mode (see ``set_deterministic_backward``)."""
+    if _deterministic is not None:
+        return _deterministic
+    return torch.are_deterministic_algorithms_enabled()
 
 
-def _fallback(which: str, q, D: int) -> bool:
-    reason = unsupported_reason(q, D)
-    if reason is None:
-        return False
-    warn_once(
-        f"{which}:{reason}",
-        f"dsv4.sparse_mla_{which}: the Triton kernels do not take {reason}; "
-        "running the PyTorch reference on the GPU instead (correct, much slower).",
-    )
-    return True
-
-
-def _gluon_module(which: str):
-    """``forward_gluon`` / ``backward_gluon``, or None (after a warning) if this Triton
-    lacks Gluon's Hopper API or the kernel failed to build once."""
-    if _gluon_broken[which]:
-        return None
+@contextlib.contextmanager
+def use_kernels(forward: Optional[str] = None, backward: Optional[str] = None) -> Iterator[None]:
+    """Run CUDA calls with the named kernels ("gluon_sm90", "triton" or "reference"),
+    for A/B comparisons and debugging. A named kernel that does not take a call raises
+    ValueError with its reason instead of falling back."""
+    for direction, name in (("forward", forward), ("backward", backward)):
+        if name is not None and name != REFERENCE and name not in {
+                _NAMES[m] for m in CANDIDATES[direction]}:
+            raise ValueError(f"use_kernels: no {direction} kernel named {name!r} "
+                             f"(have {sorted(set(_NAMES[m] for m in CANDIDATES[direction])) + [REFERENCE]})")
+    saved = dict(_forced)
+    _forced.update({k: v for k, v in (("forward", forward), ("backward", backward)) if v is not None})
     try:
-        if which == "fwd":
-            from . import forward_gluon as mod
-        else:
-            from . import backward_gluon as mod
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(saved)
+
+
+_NAMES = {"forward_gluon": "gluon_sm90", "forward_triton": "triton", "backward_gluon": "gluon_sm90",
+          "backward_triton": "triton"}
+
+
+def _module(mod: str):
+    """The kernel module, or the reason it cannot be imported here."""
+    try:
+        return importlib.import_module(f".{mod}", __package__), None
     except ImportError as e:
-        _gluon_broken[which] = True
-        warn_once(f"gluon-import-{which}", f"dsv4.sparse_mla_{which}: Gluon kernel unavailable ({e}); "
-                  "using Triton.")
-        return None
-    return mod
+        return None, f"cannot be imported with Triton {triton.__version__} ({type(e).__name__}: {e})"
+
+
+def candidates(direction: str, call: Call) -> list:
+    """[(name, module or None, reason or None)] in order of preference, the reference last;
+    the first with no reason runs the call (``None`` modules are the reference)."""
+    out = []
+    for mod_name in CANDIDATES[direction]:
+        mod, reason = _module(mod_name)
+        reason = reason or _broken.get(mod_name) or mod.rejects(call)
+        out.append((_NAMES[mod_name], mod, reason))
+    out.append((REFERENCE, None, None))
+    return out
+
+
+_choices: dict = {}
+
+
+def choose(direction: str, call: Call):
+    """(name, module or None for the reference) of the kernel that runs ``call``
+    (remembered per call description: the rules read nothing else)."""
+    forced = _forced.get(direction)
+    key = (direction, call, forced, tuple(sorted(_broken)))
+    if key not in _choices:
+        _choices[key] = _choose(direction, call, forced)
+    return _choices[key]
+
+
+def _choose(direction: str, call: Call, forced: Optional[str]):
+    rows = candidates(direction, call)
+    if forced is not None:
+        for name, mod, reason in rows:
+            if name == forced:
+                if reason:
+                    raise ValueError(f"dsv4.sparse_mla ({direction}): the {name} kernel does not take this call: "
+                                     f"{reason}")
+                return name, mod
+    name, mod, _ = next(r for r in rows if r[2] is None)
+    if mod is None:
+        why = "; ".join(f"{n}: {r}" for n, m, r in rows if r)
+        warn_once(f"{direction}-reference:{call.dtype}:{call.D}",
+                  f"dsv4.sparse_mla ({direction}): no kernel takes this call ({why}); running the PyTorch "
+                  "reference on the GPU instead (correct, much slower).")
+    return name, mod
 
 
 def _is_build_error(e: Exception) -> bool:
-    """Whether ``e`` says the Gluon kernel cannot be built or launched on this GPU
-    (Triton's compile errors, ptxas, too little shared memory, an MLIR pass failure),
-    as opposed to a failure of this call (out of memory, a CUDA error, bad input):
-    only the former hands the shape over to Triton for the rest of the process."""
+    """Whether ``e`` says a Gluon kernel cannot be built or launched on this GPU (Triton's
+    compile errors, ptxas, too little shared memory, an MLIR pass failure), as opposed to a
+    failure of this call (out of memory, a CUDA error, bad input)."""
     return isinstance(e, TritonError) or (isinstance(e, RuntimeError) and "PassManager::run failed" in str(e))
 
 
-def _run_gluon(which: str, q, p, launch, **rule):
-    """``launch(module)`` with the Gluon module of ``which``, or None where that kernel
-    does not take the call or cannot be built here (then, once, a warning and the Triton
-    kernel for the rest of the process). Any other error reaches the caller."""
-    mod = _gluon_module(which)
-    if mod is None or not mod.supported(q, p.D, p.H, **rule):
-        return None
-    try:
-        return launch(mod)
-    except Exception as e:  # compilation errors surface at the first launch
-        if not _is_build_error(e):
-            raise
-        _gluon_broken[which] = True
-        warn_once(f"gluon-build-{which}", f"dsv4.sparse_mla_{which}: Gluon kernel failed to build "
-                  f"({type(e).__name__}: {str(e)[:200]}); using the Triton kernel.")
-        return None
+def _run(direction: str, call: Call, run_kernel, run_reference):
+    """Run ``call`` with the chosen kernel; a Gluon build failure drops that kernel (once,
+    with a warning) and retries with the next candidate."""
+    while True:
+        name, mod = choose(direction, call)
+        if mod is None:
+            return run_reference()
+        try:
+            return run_kernel(mod)
+        except Exception as e:  # compilation errors surface at the first launch
+            if name != "gluon_sm90" or not _is_build_error(e) or _forced.get(direction) == name:
+                raise
+            mod_name = next(m for m in CANDIDATES[direction] if _NAMES[m] == name)
+            _broken[mod_name] = (f"failed to build with Triton {triton.__version__} "
+                                 f"({type(e).__name__}: {str(e)[:200]})")
+            warn_once(f"gluon-build-{mod_name}", f"dsv4.sparse_mla ({direction}): the Gluon kernel {mod_name} "
+                      f"{_broken[mod_name]}; using the next kernel for the rest of the process.")
 
 
 def forward(q, kv, indices, attn_sink, p):
-    if _fallback("fwd", q, p.D):
-        return reference.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale)
-    res = _run_gluon("fwd", q, p, lambda mod: mod.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale))
-    if res is not None:
-        return res
-    return _fwd.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale)
+    call = Call.of(q)
+    return _run("forward", call, lambda mod: mod.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale),
+                lambda: reference.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale))
 
 
 def backward(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p):
-    if _fallback("bwd", q, p.D):
-        return reference.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p.scale)
-    res = _run_gluon("bwd", q, p, lambda mod: _bwd.sparse_mla_bwd(
-        grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p.scale, deterministic=_deterministic,
-        gluon=True), deterministic=_deterministic)
-    if res is not None:
-        return res
-    return _bwd.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p.scale,
-                               deterministic=_deterministic)
+    det = deterministic_backward()
+    call = Call.of(q, det)
+    return _run("backward", call,
+                lambda mod: _backward.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink,
+                                                     p.scale, main=mod, deterministic=det),
+                lambda: reference.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink,
+                                                 p.scale))

@@ -1,6 +1,6 @@
 """Gluon forward of sparse MLA for Hopper (sm_90), D = 512: warp-specialised, persistent.
 
-Same math and contract as ``forward.py`` (the Triton kernel). One program per SM walks
+Same math and contract as ``forward_triton.py`` (the Triton kernel). One program per SM walks
 the (token, 64-head block) tiles. Three partitions of one warp group each:
 
 - the producer loads each tile's q, then gathers the kv rows of every 64-slot block
@@ -21,11 +21,10 @@ consumer rescales its half of O (and its share of the row sum) to m_j before add
 P_j V_j, and the shares are summed at the end of the tile.
 
 Gluon has no interpreter: tested on the GPU (tests/test_kernels_gpu.py) and compiled
-for sm_90 in CI (tests/test_sm90_compile.py). Measurements: benchmarks/NOTES.md.
+for sm_90 in CI (tests/test_sm90_compile.py). Measurements: docs/performance/forward.md#gluon-forward.
 """
 from __future__ import annotations
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -37,12 +36,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .common import cuda_properties
-from .forward import FWD_RUNTIME_INTS, prepare_forward
+from .common import KERNEL_DTYPES, cuda_properties
+from .forward_triton import FWD_RUNTIME_INTS, prepare_forward
+from .hopper import MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, gluon_unavailable, load_ids, not_sm90
 
 BLOCK_H = 64
-NUM_WARPS = 4  # per partition; the kernel runs 3 partitions (12 warps)
-MAXNREG = 168  # 12 warps x 32 threads x 168 registers fit the 64K register file
 
 # mbarrier slots
 _Q_READY = gl.constexpr(0)
@@ -54,18 +52,20 @@ _FIN = gl.constexpr(13)
 _Q_FREE = gl.constexpr(14)
 _N_BARS = gl.constexpr(15)
 _DH = gl.constexpr(256)  # D / 2: D = 512 only
-_BK = gl.constexpr(64)
+_BK = gl.constexpr(64)  # slots of a block
+_BH = gl.constexpr(64)  # heads of a tile
 
 
 @gluon.jit
-def _producer(Q, KV, IDX, T, H, N, K, stride_qt, stride_qh, stride_kvn, stride_it,
-              q_smem, kv_smem, bars, n_pairs, DH: gl.constexpr, BK: gl.constexpr,
-              BENCH_GATHER: gl.constexpr = True):
-    BH: gl.constexpr = 64
+def _producer(io, sizes, strides, smem, n_pairs):
+    Q, KV, IDX = io
+    T, H, N, K = sizes
+    stride_qt, stride_qh, stride_kvn, stride_it = strides
+    q_smem, kv_smem, bars = smem
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    offs_d = gl.arange(0, DH, layout=gl.SliceLayout(0, ld))
-    offs_r = gl.arange(0, BK, layout=gl.SliceLayout(1, ld))
-    n_hb = gl.cdiv(H, BH)
+    offs_d = gl.arange(0, _DH, layout=gl.SliceLayout(0, ld))
+    offs_r = gl.arange(0, _BK, layout=gl.SliceLayout(1, ld))
+    n_hb = gl.cdiv(H, _BH)
     n_tiles = T * n_hb
     tcount = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -74,30 +74,21 @@ def _producer(Q, KV, IDX, T, H, N, K, stride_qt, stride_qh, stride_kvn, stride_i
         # q of this tile, once both consumers' last S of the previous tile is done (a
         # fresh mbarrier counts its phase "1" as complete: the first wait passes).
         mbarrier.wait(bars.index(_Q_FREE), (tcount & 1) ^ 1)
-        h_ld = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
+        h_ld = pid_h * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, ld))
         q_ptrs = Q + pid_t * stride_qt + h_ld[:, None].to(gl.int64) * stride_qh + offs_d[None, :]
         h_ok = (h_ld < H)[:, None]
-        cp.async_copy_global_to_shared(q_smem.index(0), q_ptrs, mask=h_ok)
-        cp.async_copy_global_to_shared(q_smem.index(1), q_ptrs + DH, mask=h_ok)
+        async_load(q_smem.index(0), q_ptrs, mask=h_ok)
+        async_load(q_smem.index(1), q_ptrs + _DH, mask=h_ok)
         cp.mbarrier_arrive(bars.index(_Q_READY), increment_count=False)
         idx_row = IDX + pid_t * stride_it
-        _produce_tile(KV, idx_row, N, K, stride_kvn, kv_smem, bars, n_pairs, tcount * n_pairs, offs_r,
-                      offs_d, DH, BK, BENCH_GATHER)
+        _produce_tile(KV, idx_row, N, K, stride_kvn, kv_smem, bars, n_pairs, tcount * n_pairs, offs_r, offs_d)
         tcount += 1
 
 
 @gluon.jit
-def _load_ids(idx_row, k0, K, offs):
-    """Ids of slots k0 + offs (-1 past K), in the layout of ``offs``."""
-    offs_k = k0 + offs
-    return gl.load(idx_row + offs_k, mask=offs_k < K, other=-1)
-
-
-@gluon.jit
-def _produce_tile(KV, idx_row, N, K, stride_kvn, kv_smem, bars, n_pairs, pair0, offs_r, offs_d,
-                  DH: gl.constexpr, BK: gl.constexpr, BENCH_GATHER: gl.constexpr):
+def _produce_tile(KV, idx_row, N, K, stride_kvn, kv_smem, bars, n_pairs, pair0, offs_r, offs_d):
     """Gather the kv rows of one tile's blocks into the ring (``pair0``: pairs gathered before)."""
-    ids = _load_ids(idx_row, 0, K, offs_r)
+    ids = load_ids(idx_row, 0, K, offs_r)
     for j in range(0, 2 * n_pairs):
         b = j % 2
         free_phase = ((pair0 + j // 2) & 1) ^ 1
@@ -106,13 +97,10 @@ def _produce_tile(KV, idx_row, N, K, stride_kvn, kv_smem, bars, n_pairs, pair0, 
         rows = gl.where(valid, ids64, 0)  # masked ids never form an address
         ptrs = KV + rows[:, None] * stride_kvn + offs_d[None, :]
         vm = valid[:, None]
-        ids = _load_ids(idx_row, (j + 1) * BK, K, offs_r)  # next block's ids, ahead
+        ids = load_ids(idx_row, (j + 1) * _BK, K, offs_r)  # next block's ids, ahead
         for half in gl.static_range(2):
             mbarrier.wait(bars.index(_KV_FREE + 2 * b + half), free_phase)
-            if BENCH_GATHER:  # (False: a benchmark diagnostic, only the first pair is gathered)
-                cp.async_copy_global_to_shared(kv_smem.index(2 * b + half), ptrs + half * DH, mask=vm)
-            elif j < 2:
-                cp.async_copy_global_to_shared(kv_smem.index(2 * b + half), ptrs + half * DH, mask=vm)
+            async_load(kv_smem.index(2 * b + half), ptrs + half * _DH, mask=vm)
             cp.mbarrier_arrive(bars.index(_KV_READY + 2 * b + half), increment_count=False)
 
 
@@ -136,36 +124,38 @@ def _rescale_to(m_cur, m_new):
 
 
 @gluon.jit
-def _consumer(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
-              q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs,
-              WG: gl.constexpr, DH: gl.constexpr, BK: gl.constexpr, HAS_SINK: gl.constexpr):
+def _consumer(args, WG: gl.constexpr, HAS_SINK: gl.constexpr):
     """Consumer ``WG`` (0 or 1): S of blocks j = WG mod 2, O[:, WG*DH:(WG+1)*DH] of every block."""
-    BH: gl.constexpr = 64
+    io, sizes, strides, smem, n_pairs, scale_log2 = args
+    T, H, N, K = sizes
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BK, 16])
+                                                       instr_shape=[16, _BK, 16])
     col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    offs_c = gl.arange(0, BK, layout=col_l)
-    s_zero = gl.zeros([BH, BK], gl.float32, layout=s_layout)
-    n_hb = gl.cdiv(H, BH)
+    offs_c = gl.arange(0, _BK, layout=col_l)
+    s_zero = gl.zeros([_BH, _BK], gl.float32, layout=s_layout)
+    n_hb = gl.cdiv(H, _BH)
     n_tiles = T * n_hb
     tcount = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         pid_t = (tile // n_hb).to(gl.int64)
         pid_h = tile % n_hb
-        _consume_tile(IDX, SINK, OUT, LSE, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
-                      q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs, pid_t, pid_h, tcount,
-                      offs_c, s_zero, WG, DH, BK, HAS_SINK)
+        _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, tcount, offs_c, s_zero,
+                      WG, HAS_SINK)
         tcount += 1
 
 
 @gluon.jit
-def _consume_tile(IDX, SINK, OUT, LSE, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
-                  q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs, pid_t, pid_h, tcount,
-                  offs_c, s_zero, WG: gl.constexpr, DH: gl.constexpr, BK: gl.constexpr,
-                  HAS_SINK: gl.constexpr):
+def _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, tcount, offs_c, s_zero,
+                  WG: gl.constexpr, HAS_SINK: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG``."""
-    BH: gl.constexpr = 64
+    IDX, SINK, OUT, LSE = io
+    T, H, N, K = sizes
+    stride_it, stride_ot, stride_oh, stride_lt = strides
+    q_smem, kv_smem, p_smem, m_smem, l_smem, bars = smem
+    BH: gl.constexpr = _BH
+    DH: gl.constexpr = _DH
+    BK: gl.constexpr = _BK
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = s_zero.type.layout
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -173,7 +163,7 @@ def _consume_tile(IDX, SINK, OUT, LSE, H, N, K, stride_it, stride_ot, stride_oh,
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     idx_row = IDX + pid_t * stride_it
-    ids = _load_ids(idx_row, WG * BK, K, offs_c)
+    ids = load_ids(idx_row, WG * BK, K, offs_c)
     m_cur = gl.full([BH], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([BH], gl.float32, layout=row_l)
     acc = gl.zeros([BH, DH], gl.float32, layout=o_layout)
@@ -196,7 +186,7 @@ def _consume_tile(IDX, SINK, OUT, LSE, H, N, K, stride_it, stride_ot, stride_oh,
         fence_async_shared()
         s = warpgroup_mma(q_smem.index(z + 1), mine_hi.permute((1, 0)), s, is_async=True)
         my_ids = ids
-        ids = _load_ids(idx_row, (2 * i + 2 + WG) * BK, K, offs_c)
+        ids = load_ids(idx_row, (2 * i + 2 + WG) * BK, K, offs_c)
 
         if WG == 1:
             # Block 2i (consumer 0's): its max is my starting point; apply its P to my half
@@ -296,50 +286,6 @@ def _consume_tile(IDX, SINK, OUT, LSE, H, N, K, stride_it, stride_ot, stride_oh,
     gl.store(o_ptrs + 3 * (DH // 4), gl.convert_layout(o3, st_l), mask=h_ok)
 
 
-@gluon.jit
-def _producer_gather(Q, KV, IDX, T, H, N, K, stride_qt, stride_qh, stride_kvn, stride_it, q_smem, kv_smem,
-                     bars, n_pairs):
-    _producer(Q, KV, IDX, T, H, N, K, stride_qt, stride_qh, stride_kvn, stride_it,
-              q_smem, kv_smem, bars, n_pairs, _DH, _BK, True)
-
-
-@gluon.jit
-def _producer_nogather(Q, KV, IDX, T, H, N, K, stride_qt, stride_qh, stride_kvn, stride_it, q_smem, kv_smem,
-                       bars, n_pairs):
-    _producer(Q, KV, IDX, T, H, N, K, stride_qt, stride_qh, stride_kvn, stride_it,
-              q_smem, kv_smem, bars, n_pairs, _DH, _BK, False)
-
-
-# Partitions receive their arguments as IR values (a constexpr would arrive as a
-# runtime scalar), so their compile-time parameters are fixed in these wrappers.
-@gluon.jit
-def _consumer0_sink(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
-                    q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs):
-    _consumer(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
-              q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs, 0, _DH, _BK, True)
-
-
-@gluon.jit
-def _consumer0_nosink(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
-                      q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs):
-    _consumer(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
-              q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs, 0, _DH, _BK, False)
-
-
-@gluon.jit
-def _consumer1_sink(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
-                    q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs):
-    _consumer(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
-              q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs, 1, _DH, _BK, True)
-
-
-@gluon.jit
-def _consumer1_nosink(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
-                      q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs):
-    _consumer(IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
-              q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs, 1, _DH, _BK, False)
-
-
 @gluon.jit(do_not_specialize=FWD_RUNTIME_INTS)
 def _sparse_mla_fwd_gluon_kernel(
     Q, KV, IDX, SINK, OUT, LSE,
@@ -348,11 +294,11 @@ def _sparse_mla_fwd_gluon_kernel(
     scale_log2,
     D: gl.constexpr,
     HAS_SINK: gl.constexpr,
-    BENCH_GATHER: gl.constexpr = True,
 ):
-    BH: gl.constexpr = 64
-    BK: gl.constexpr = 64
-    DH: gl.constexpr = D // 2
+    gl.static_assert(D == 2 * _DH, "the Gluon forward takes D = 512")
+    BH: gl.constexpr = _BH
+    BK: gl.constexpr = _BK
+    DH: gl.constexpr = _DH
     dtype: gl.constexpr = Q.dtype.element_ty
     half_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, DH], dtype)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BK], dtype)
@@ -374,49 +320,45 @@ def _sparse_mla_fwd_gluon_kernel(
     mbarrier.init(bars.index(_Q_FREE), count=2)
 
     n_pairs = gl.cdiv(gl.cdiv(K, BK), 2)
-    c_args = (IDX, SINK, OUT, LSE, T, H, N, K, stride_it, stride_ot, stride_oh, stride_lt, scale_log2,
-              q_smem, kv_smem, p_smem, m_smem, l_smem, bars, n_pairs)
-    p_args = (Q, KV, IDX, T, H, N, K, stride_qt, stride_qh, stride_kvn, stride_it, q_smem, kv_smem, bars,
-              n_pairs)
-    # The producer is the default partition: ptxas compiles that one under the kernel's
-    # register limit (MAXNREG), the worker partitions under their own (setmaxnreg).
-    # 3 x 168 registers a thread: 232 for each consumer, 40 for the producer.
-    if BENCH_GATHER == 0:  # diagnostic: the kernel timed without its gathers (wrong output)
-        gl.warp_specialize([(_producer_nogather, p_args), (_consumer0_sink, c_args),
-                            (_consumer1_sink, c_args)], [4, 4], [232, 232])
-    elif HAS_SINK:
-        gl.warp_specialize([(_producer_gather, p_args), (_consumer0_sink, c_args), (_consumer1_sink, c_args)],
-                           [4, 4], [232, 232])
-    else:
-        gl.warp_specialize([(_producer_gather, p_args), (_consumer0_nosink, c_args),
-                            (_consumer1_nosink, c_args)], [4, 4], [232, 232])
+    sizes = (T, H, N, K)
+    c_args = ((IDX, SINK, OUT, LSE), sizes, (stride_it, stride_ot, stride_oh, stride_lt),
+              (q_smem, kv_smem, p_smem, m_smem, l_smem, bars), n_pairs, scale_log2)
+    p_args = ((Q, KV, IDX), sizes, (stride_qt, stride_qh, stride_kvn, stride_it), (q_smem, kv_smem, bars), n_pairs)
+    # The producer is the default partition: ptxas compiles it under the kernel's
+    # register limit (MAXNREG), the consumers under their own (setmaxnreg).
+    gl.warp_specialize([(_producer, p_args), (_consumer, (c_args, 0, HAS_SINK)),
+                        (_consumer, (c_args, 1, HAS_SINK))],
+                       [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
-# Fewest heads for which the Gluon forward is the faster one (benchmarks/NOTES.md, sixth
-# session; T=4096, K=1152 and 512): from H = 24 it takes 26-57% less time than the Triton
-# kernel; at H <= 16 its 64-row tiles are mostly padding and Triton's 16-row blocks win
-# by 2-4%.
+NAME = "gluon_sm90"
+# Fewest heads for which this is the faster forward (H200, T=4096, K=1152 and 512): from
+# H = 24 it takes 26-57% less time than the Triton kernel; at H <= 16 its 64-row tiles are
+# mostly padding and Triton's 16-row blocks win by 2-4%
+# (docs/performance/forward.md#which-forward-below-64-heads).
 MIN_HEADS = 17
 
 
-def sm90_takes(q: torch.Tensor, D: int) -> bool:
-    """Whether a Gluon kernel (this one or ``backward_gluon``'s) can run ``q``'s call:
-    bf16/fp16 CUDA tensors on sm_90 and D = 512. Any H: heads past H pad the last
-    64-head tile with masked rows."""
-    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and D == 512):
-        return False
-    props = cuda_properties(q.device)
-    return (props.major, props.minor) == (9, 0)
+def rejects(call) -> str | None:
+    """Why this kernel does not run ``call``'s forward (None: it does). Its whole rule: a
+    Triton with Gluon's Hopper API, an sm_90 GPU, bf16/fp16, D = 512 and H >= MIN_HEADS
+    (fewer heads than a 64-row tile are masked rows)."""
+    if gluon_unavailable():
+        return f"no Gluon in this Triton ({gluon_unavailable()})"
+    reason = not_sm90(call.device)
+    if reason:
+        return reason
+    if call.dtype not in KERNEL_DTYPES:
+        return f"dtype {call.dtype} (takes bfloat16 and float16)"
+    if call.D != 2 * _DH.value:
+        return f"head dim D={call.D} (takes D = 512)"
+    if call.H < MIN_HEADS:
+        return f"H={call.H} heads (takes H >= {MIN_HEADS}; below, the Triton kernel is faster)"
+    return None
 
 
-def supported(q: torch.Tensor, D: int, H: int) -> bool:
-    """Whether the dispatcher runs the forward with this kernel: ``sm90_takes`` and
-    H >= MIN_HEADS (below, the Triton kernel is faster)."""
-    return H >= MIN_HEADS and sm90_takes(q, D)
-
-
-def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, **variant):
-    """Launch the Gluon forward (same contract as ``forward.sparse_mla_fwd``)."""
+def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None):
+    """Launch the Gluon forward (same contract as ``forward_triton.sparse_mla_fwd``)."""
     out, lse, args = prepare_forward(q, kv, indices, attn_sink, scale, out, lse)
     if args is None:
         return out, lse
@@ -426,6 +368,6 @@ def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, **varia
     # tile's q and first kv blocks load while this tile finishes.
     grid = (min(n_tiles, cuda_properties(q.device).multi_processor_count),)
     _sparse_mla_fwd_gluon_kernel[grid](
-        *args, D=D, HAS_SINK=attn_sink is not None, num_warps=NUM_WARPS, maxnreg=MAXNREG, **variant,
+        *args, D=D, HAS_SINK=attn_sink is not None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
     return out, lse

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, head_block, interpreting, last_dim_contiguous, load_tile, slot_rows
+from .common import LOG2E, head_block, interpreting, last_dim_contiguous, load_tile, slot_rows, triton_rejects
 
 # Values that change from call to call (sequence length, top-k, pool size) are never
 # specialised; the row strides of q, kv and out (multiples of D in practice) are, so
@@ -105,10 +105,10 @@ class FwdConfig(NamedTuple):
 
 
 def forward_config(D: int, H: int) -> FwdConfig:
-    """Block sizes per head dim and head count (measurements in benchmarks/NOTES.md)."""
+    """Block sizes per head dim and head count (docs/performance/forward.md#tile-warp-and-stage-sweep)."""
     block_h = head_block(H)
     if D == 512:
-        # 64x64 tiles, 8 warps, 2 stages: best plain-Triton point on H200 (NOTES.md).
+        # 64x64 tiles, 8 warps, 2 stages: best plain-Triton point on H200.
         return FwdConfig(block_h, 64, 8 if block_h == 64 else 4, 2)
     if D == 256:
         return FwdConfig(block_h, 64, 8 if block_h == 64 else 4, 2)
@@ -156,4 +156,9 @@ def sparse_mla_fwd(q, kv, indices, attn_sink, scale, config: FwdConfig | None = 
     return out, lse
 
 
-__all__ = ["sparse_mla_fwd", "prepare_forward", "forward_config", "FwdConfig", "FWD_RUNTIME_INTS"]
+NAME = "triton"
+
+
+def rejects(call) -> str | None:
+    """Why this kernel does not run ``call``'s forward (None: it does): ``triton_rejects``."""
+    return triton_rejects(call)

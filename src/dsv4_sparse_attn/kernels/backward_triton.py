@@ -1,0 +1,204 @@
+"""Triton main kernel of the sparse-MLA backward (any H, D in SUPPORTED_D, any CUDA GPU).
+
+The main work of ``backward.py``'s backward: one program per (token, block of heads)
+recomputes P = exp(S - lse) slot block by slot block, accumulates dQ in registers (fp32,
+rounded once) and forms each slot block's dKV rows dS^T Q * scale + P^T dO (summed over
+the block's heads). Those rows go either to the deterministic path's per-(token, head
+block, slot) fp32 partial rows, or (fast mode) into the fp32 [N, D] accumulator with
+fp32 atomic adds, in natural column order.
+
+D is handled in four quarters: dQ (4 x [BLOCK_H, D/4] fp32) stays in registers for the
+whole loop and each dKV quarter is formed and written on its own, which keeps a
+64-head, 64-slot, D=512 block under 255 registers. CPU tensors run under the Triton
+interpreter (tests only).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+from .common import head_block, interpreting, load_tile, slot_rows, triton_rejects
+
+NAME = "triton"
+ACC_FAKE_ORDER = False  # the fast mode's accumulator is [N, D] in natural column order
+ACC_SPARE_ROW = False  # (masked slots are masked off)
+
+
+# As in the forward: sizes and the index/lse strides are runtime values; the row
+# strides of q, kv, dO and dQ are specialised so row gathers vectorise.
+_MAIN_RUNTIME_INTS = ["T", "H", "N", "K", "t_begin", "stride_it", "stride_lt"]
+
+
+@triton.jit
+def _dkv_quarter(p_mm, ds_mm, do_x, q_x, ptr, mask, ATOMIC: tl.constexpr):
+    """One D quarter of this slot block's dKV rows, transposed: dO^T P + Q^T (scale dS).
+
+    Computed as [D/4, BLOCK_K] so the wgmma M dimension is D/4 (a multiple of 64)
+    whatever BLOCK_K is; ``ptr``/``mask`` address the transposed tile.
+    """
+    part = tl.dot(tl.trans(do_x), p_mm, tl.dot(tl.trans(q_x), ds_mm))
+    if ATOMIC:
+        tl.atomic_add(ptr, part, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptr, part, mask=mask)
+
+
+@triton.jit(do_not_specialize=_MAIN_RUNTIME_INTS)
+def _bwd_main_kernel(
+    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, PARTIAL,
+    T, H, N, K, t_begin,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh,
+    stride_lt, stride_gt, stride_gh,
+    scale, scale_log2,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    # D is handled in four quarters: dQ (4 x [BLOCK_H, D/4] fp32) stays in registers
+    # for the whole loop and each dKV quarter is formed and written on its own, which
+    # keeps a 64-head, 64-slot, D=512 block under 255 registers without spills.
+    QD: tl.constexpr = D // 4
+    pid_c = tl.program_id(0).to(tl.int64)  # token within the chunk
+    pid_t = t_begin + pid_c
+    pid_h = tl.program_id(1)
+    n_hb = tl.num_programs(1)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    hm = h_mask[:, None]
+    offs_d = tl.arange(0, QD)[None, :]
+    h64 = offs_h[:, None].to(tl.int64)
+
+    q_ptr = Q + pid_t * stride_qt + h64 * stride_qh + offs_d
+    q0 = load_tile(q_ptr, hm, DOT_FP32)
+    q1 = load_tile(q_ptr + QD, hm, DOT_FP32)
+    q2 = load_tile(q_ptr + 2 * QD, hm, DOT_FP32)
+    q3 = load_tile(q_ptr + 3 * QD, hm, DOT_FP32)
+    do_ptr = DO + pid_t * stride_dt + h64 * stride_dh + offs_d
+    do0 = load_tile(do_ptr, hm, DOT_FP32)
+    do1 = load_tile(do_ptr + QD, hm, DOT_FP32)
+    do2 = load_tile(do_ptr + 2 * QD, hm, DOT_FP32)
+    do3 = load_tile(do_ptr + 3 * QD, hm, DOT_FP32)
+    lse = tl.load(LSE + pid_t * stride_lt + offs_h, mask=h_mask, other=float("inf"))
+    # Rows with lse = -inf (no valid slot, no sink) have P = 0 everywhere.
+    row_ok = h_mask & (lse > float("-inf"))
+    lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    delta = tl.load(DELTA + pid_t * H + offs_h, mask=h_mask, other=0.0)
+
+    dq0 = tl.zeros([BLOCK_H, QD], dtype=tl.float32)
+    dq1 = tl.zeros([BLOCK_H, QD], dtype=tl.float32)
+    dq2 = tl.zeros([BLOCK_H, QD], dtype=tl.float32)
+    dq3 = tl.zeros([BLOCK_H, QD], dtype=tl.float32)
+    idx_row = IDX + pid_t * stride_it
+    # No loop-invariant code motion: LLVM would hoist the wgmma shared-memory descriptors
+    # of the q/dO tiles (64-bit, dozens of them) out of the loop and spill them.
+    for k0 in tl.range(0, K, BLOCK_K, disable_licm=True):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        valid, rows = slot_rows(idx_row, offs_k, K, N)
+        vm = valid[:, None]
+        kv_ptr = KV + rows[:, None] * stride_kvn + offs_d
+        kv0 = load_tile(kv_ptr, vm, DOT_FP32)
+        kv1 = load_tile(kv_ptr + QD, vm, DOT_FP32)
+        kv2 = load_tile(kv_ptr + 2 * QD, vm, DOT_FP32)
+        kv3 = load_tile(kv_ptr + 3 * QD, vm, DOT_FP32)
+
+        s = tl.dot(q0, tl.trans(kv0))
+        s = tl.dot(q1, tl.trans(kv1), s)
+        s = tl.dot(q2, tl.trans(kv2), s)
+        s = tl.dot(q3, tl.trans(kv3), s)
+        p = tl.exp2(s * scale_log2 - lse2[:, None])
+        p = tl.where(row_ok[:, None] & valid[None, :], p, 0.0)
+        dp = tl.dot(do0, tl.trans(kv0))
+        dp = tl.dot(do1, tl.trans(kv1), dp)
+        dp = tl.dot(do2, tl.trans(kv2), dp)
+        dp = tl.dot(do3, tl.trans(kv3), dp)
+        ds = p * (dp - delta[:, None])
+
+        ds_mm = ds.to(kv0.dtype)
+        dq0 = tl.dot(ds_mm, kv0, dq0)
+        dq1 = tl.dot(ds_mm, kv1, dq1)
+        dq2 = tl.dot(ds_mm, kv2, dq2)
+        dq3 = tl.dot(ds_mm, kv3, dq3)
+
+        # dKV rows of this slot block (summed over this program's heads), transposed.
+        ds_sc = (ds * scale).to(kv0.dtype)
+        p_mm = p.to(kv0.dtype)
+        offs_dt = tl.arange(0, QD)[:, None]
+        if ATOMIC:
+            out_ptr = DKV + rows[None, :] * D + offs_dt
+            out_mask = valid[None, :]
+        else:
+            out_ptr = (PARTIAL + ((pid_c * n_hb + pid_h) * K + offs_k[None, :].to(tl.int64)) * D
+                       + offs_dt)
+            out_mask = (offs_k < K)[None, :]
+        _dkv_quarter(p_mm, ds_sc, do0, q0, out_ptr, out_mask, ATOMIC)
+        _dkv_quarter(p_mm, ds_sc, do1, q1, out_ptr + QD, out_mask, ATOMIC)
+        _dkv_quarter(p_mm, ds_sc, do2, q2, out_ptr + 2 * QD, out_mask, ATOMIC)
+        _dkv_quarter(p_mm, ds_sc, do3, q3, out_ptr + 3 * QD, out_mask, ATOMIC)
+
+    dq_ptr = DQ + pid_t * stride_gt + h64 * stride_gh + offs_d
+    tl.store(dq_ptr, (dq0 * scale).to(DQ.dtype.element_ty), mask=hm)
+    tl.store(dq_ptr + QD, (dq1 * scale).to(DQ.dtype.element_ty), mask=hm)
+    tl.store(dq_ptr + 2 * QD, (dq2 * scale).to(DQ.dtype.element_ty), mask=hm)
+    tl.store(dq_ptr + 3 * QD, (dq3 * scale).to(DQ.dtype.element_ty), mask=hm)
+
+
+class BwdConfig(NamedTuple):
+    BLOCK_H: int
+    BLOCK_K: int
+    num_warps: int
+    num_stages: int
+
+
+def backward_config(D: int, H: int) -> BwdConfig:
+    """Block sizes per head dim and head count (docs/performance/backward.md#first-configurations)."""
+    block_h = head_block(H)
+    if D == 512:
+        return BwdConfig(block_h, 64, 8 if block_h == 64 else 4, 1)
+    if D == 256:
+        return BwdConfig(block_h, 32, 8 if block_h == 64 else 4, 2)
+    return BwdConfig(block_h, 32, 4, 2)
+
+
+def rejects(call) -> str | None:
+    """Why this kernel does not run ``call``'s backward main work (None: it does):
+    ``triton_rejects``, the same rule as the Triton forward."""
+    return triton_rejects(call)
+
+
+def tile_heads(D: int, H: int) -> int:
+    return backward_config(D, H).BLOCK_H
+
+
+def partial_slots(K: int) -> int:
+    """Slots per token of the partial-row buffer (stores are masked past K)."""
+    return K
+
+
+def pairs_head_blocks(n_hb: int, deterministic: bool) -> bool:
+    return False
+
+
+def flags_per_chunk(n_tok: int, n_hb: int) -> int:
+    return 0
+
+
+def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
+           scale_log2, paired, config: BwdConfig | None = None):
+    """One chunk of tokens [t_begin, t_begin + n_tok): dKV rows to ``partial``
+    ([n_tok, n_hb, K, D] fp32) or, without it, added to ``acc`` ([N, D] fp32)."""
+    T, H, D = q.shape
+    N, K = kv.shape[0], indices.shape[1]
+    cfg = config or backward_config(D, H)
+    _bwd_main_kernel[(n_tok, triton.cdiv(H, cfg.BLOCK_H))](
+        q, kv, indices, grad_out, lse, delta, grad_q, acc, partial if partial is not None else acc,
+        T, H, N, K, t_begin,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
+        grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
+        scale, scale_log2,
+        D=D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, ATOMIC=partial is None,
+        DOT_FP32=interpreting(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
