@@ -1,6 +1,6 @@
 """The CPU ops (the exact chunked reference) against an independent float64 loop oracle.
 
-The oracle below is written from DESIGN.md section 1 only: per token, per head, an
+The oracle below is written from docs/design.md#the-operation only: per token, per head, an
 explicit Python loop over the slots on float64 scalars, with gradients from autograd
 through that loop (so the backward formulas of reference.py are not reused either).
 """

@@ -4,7 +4,7 @@ fp32 accumulation throughout (fp64 for fp64 inputs) (inputs are upcast per chunk
 formulas (autograd is off inside custom ops), and chunked over tokens so the
 gathered rows and score temporaries stay under ``CHUNK_BYTES`` whatever T is.
 
-Math (DESIGN.md section 1), per token t and head h over the valid slots j:
+Math (docs/design.md#the-operation), per token t and head h over the valid slots j:
     s_j = scale * <q, kv[idx_j]>,  lse = log(sum_j exp(s_j) + exp(sink)),
     p_j = exp(s_j - lse),          o   = sum_j p_j kv[idx_j]
 Ids < 0 or >= N are masked. A row with no valid slot gives o = 0 and lse = sink
