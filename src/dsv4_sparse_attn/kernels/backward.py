@@ -77,8 +77,9 @@ def _dkv_reduce_kernel(
             tok = entry // K
             slot = entry - tok * K
             base = PARTIAL + ((tok * n_hb) * k_stride + slot) * D + offs_d
+            ok_d = (offs_d * 0 + e0 + i) < end  # (a tensor mask: the 3.9 interpreter takes no scalar one here)
             for hb in range(0, n_hb):
-                acc += tl.load(base + hb * k_stride * D, mask=ok & (offs_d < D), other=0.0)
+                acc += tl.load(base + hb * k_stride * D, mask=ok_d, other=0.0)
     tl.store(ACC + row * D + offs_d, acc)
 
 
