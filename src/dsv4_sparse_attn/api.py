@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from . import ops  # noqa: F401  (registers torch.ops.dsv4.*)
+from .validation import resolve_scale
 
 _INT32_MAX = 2**31 - 1
 
@@ -64,6 +65,8 @@ def sparse_mla(
     """
     if not isinstance(q, Tensor):
         raise TypeError(f"sparse_mla: q must be a torch.Tensor, got {type(q).__name__}")
+    if scale is not None:  # (the op's schema would turn a bool into 1.0 before any check)
+        resolve_scale(scale, q.shape[-1])
     if q.dim() == 4:
         B, S = q.shape[:2]
         fq, fkv, fidx = _flatten_batched(q, kv, indices)

@@ -39,12 +39,19 @@ def _chunks(T: int, step: int) -> Iterator[Tuple[int, int]]:
 
 
 def _gather(kv: Tensor, idx: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """Rows kv[idx] as fp32 [Tc, K, D], the validity mask and the clamped ids."""
+    """Rows kv[idx] as fp32 [Tc, K, D], the validity mask and the clamped ids.
+
+    A masked slot's row is zero, not a copy of row 0: a NaN or inf in a row that no token
+    selects must change nothing (0 * NaN would reach out and grad_q)."""
     N, D = kv.shape
     idx = idx.long()
     valid = (idx >= 0) & (idx < N)
     safe = torch.where(valid, idx, torch.zeros((), dtype=idx.dtype, device=idx.device))
-    rows = kv.index_select(0, safe.reshape(-1)).view(*idx.shape, D).to(lse_dtype(kv))
+    if N == 0:
+        rows = torch.zeros((*idx.shape, D), dtype=lse_dtype(kv), device=kv.device)
+    else:
+        rows = kv.index_select(0, safe.reshape(-1)).view(*idx.shape, D).to(lse_dtype(kv))
+        rows = rows.masked_fill(~valid[..., None], 0.0)
     return rows, valid, safe
 
 
@@ -54,8 +61,9 @@ def _scores(q: Tensor, rows: Tensor, valid: Tensor, scale: float) -> Tensor:
 
 
 def _probs(s: Tensor, lse: Tensor) -> Tensor:
-    """p = exp(s - lse); 0 on masked slots and on rows whose lse is -inf (empty, no sink)."""
-    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    """p = exp(s - lse); 0 on masked slots and on rows whose lse is -inf (empty, no sink).
+    An lse of +inf (a +inf sink) gives p = 0, a NaN lse (a NaN sink) p = NaN."""
+    lse_safe = torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
     return torch.exp(s - lse_safe[..., None])
 
 
@@ -118,7 +126,8 @@ def sparse_mla_bwd(
         drows = scale * torch.einsum("thk,thd->tkd", ds, q[t0:t1].to(acc))
         drows += torch.einsum("thk,thd->tkd", p, do)
         drows = torch.where(valid[..., None], drows, torch.zeros((), dtype=acc, device=q.device))
-        grad_kv.index_add_(0, safe.reshape(-1), drows.reshape(-1, D))
+        if N > 0:
+            grad_kv.index_add_(0, safe.reshape(-1), drows.reshape(-1, D))
         if attn_sink is not None:
             grad_sink -= (torch.exp(attn_sink.to(acc)[None, :] - lse_c) * delta).sum(0)
     if attn_sink is None:

@@ -7,6 +7,7 @@ received, so a user sees the same message whichever backend runs.
 from __future__ import annotations
 
 import math
+import struct
 from typing import NamedTuple, Optional
 
 import torch
@@ -72,6 +73,11 @@ def resolve_scale(scale: Optional[float], D: int) -> float:
     scale = float(scale)
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"sparse_mla: scale must be a finite positive number, got {scale}")
+    # The kernels compute in fp32: a scale that overflows or flushes to zero there would
+    # silently give inf/NaN or uniform attention.
+    s32 = struct.unpack("f", struct.pack("f", scale))[0] if scale < 3.4e38 else math.inf
+    if not math.isfinite(s32) or s32 <= 0.0:
+        raise ValueError(f"sparse_mla: scale must be finite and positive in float32, got {scale}")
     return scale
 
 
