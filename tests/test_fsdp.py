@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import os
 import socket
 import time
+import warnings
+from typing import Optional
 
 import pytest
 import torch
@@ -302,13 +305,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_workers(worker, args, nprocs: int, timeout_s: float, what: str) -> None:
+def report_result(result_dir: str, rank: int, result) -> None:
+    """Write a worker's result (JSON) where ``run_workers(..., result_dir=...)`` reads it.
+
+    Call it before tearing the process group down: what a worker has reported counts even
+    if the worker then dies in the teardown. Written to a temporary name and renamed, so
+    the parent never reads half a file.
+    """
+    path = os.path.join(result_dir, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
+def _read_results(result_dir: str, nprocs: int) -> dict:
+    results = {}
+    for rank in range(nprocs):
+        path = os.path.join(result_dir, f"rank{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results[rank] = json.load(f)
+    return results
+
+
+def run_workers(worker, args, nprocs: int, timeout_s: float, what: str,
+                result_dir: Optional[str] = None) -> Optional[list]:
     """Run ``worker(rank, *args)`` in ``nprocs`` spawned processes and wait for them.
 
     A worker's exception is raised at once with that worker's traceback (``join``
     raises it and terminates the other workers); a hang raises TimeoutError after
     ``timeout_s``. Whatever happens, no worker outlives this call. (Also used by
     benchmarks/fsdp_step_time.py.)
+
+    With ``result_dir`` (where the workers call ``report_result`` before their teardown)
+    the workers are judged by their results, and the list of results by rank is returned:
+    a worker that dies without a Python exception (a signal such as gloo's SIGABRT
+    "terminate called without an active exception", or a bare exit code) after *every*
+    worker has reported crashed in its teardown, which is warned about, not raised;
+    a worker that exits cleanly without reporting is an error.
     """
     ctx = mp.spawn(worker, args=args, nprocs=nprocs, join=False)  # start method "spawn"
     deadline = time.monotonic() + timeout_s
@@ -317,6 +351,11 @@ def run_workers(worker, args, nprocs: int, timeout_s: float, what: str) -> None:
         while not ctx.join(timeout=5):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} workers did not finish within {timeout_s} s")
+    except mp.ProcessExitedException as e:
+        if result_dir is None or len(_read_results(result_dir, nprocs)) < nprocs:
+            raise
+        warnings.warn(f"{what}: {e} after every worker had reported its results "
+                      "(a crash in the teardown); judged by the results", RuntimeWarning)
     finally:
         for p in ctx.processes:
             if p.is_alive():
@@ -326,29 +365,87 @@ def run_workers(worker, args, nprocs: int, timeout_s: float, what: str) -> None:
             if p.is_alive():
                 p.kill()
                 p.join()
+    if result_dir is None:
+        return None
+    results = _read_results(result_dir, nprocs)
+    missing = sorted(set(range(nprocs)) - set(results))
+    if missing:
+        raise RuntimeError(f"{what}: workers {missing} exited without reporting a result")
+    return [results[rank] for rank in range(nprocs)]
 
 
-def _gloo_worker(rank: int, world_size: int, port: int, compile: bool = False) -> None:
+def _gloo_worker(rank: int, world_size: int, port: int, result_dir: str, compile: bool = False) -> None:
     torch.set_num_threads(1)  # two processes on a small CPU
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=120))
     try:
-        train_and_compare(rank, world_size, "cpu", compile=compile)
+        report_result(result_dir, rank, train_and_compare(rank, world_size, "cpu", compile=compile))
+        # No rank starts tearing gloo down while another is still in a collective (or has
+        # not reported yet): the teardown race seen in CI aborted rank 0 there.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def test_fsdp2_gloo_two_processes():
+def _check_gloo_results(results: list, tol: float) -> None:
+    """Both ranks reported both checkpointing modes, within ``tol``, and agree on the
+    step time they all-reduced (the last collective of each mode went through on both)."""
+    assert len(results) == 2
+    for mode in ("full", "selective"):
+        assert all(r[mode]["max_relerr"] < tol for r in results), (mode, results)
+        assert results[0][mode]["step_ms"] == results[1][mode]["step_ms"], (mode, results)
+
+
+def test_fsdp2_gloo_two_processes(tmp_path):
+    """Two processes, gloo: judged by the results each rank writes before its teardown
+    (``run_workers``' result_dir), so a gloo teardown crash after both have reported
+    (rank 0's SIGABRT, seen once in CI) is a warning, not a failure."""
     world_size, port = 2, _free_port()
-    run_workers(_gloo_worker, (world_size, port), world_size, TIMEOUT_S, "FSDP2 gloo")
+    results = run_workers(_gloo_worker, (world_size, port, str(tmp_path)), world_size, TIMEOUT_S,
+                          "FSDP2 gloo", result_dir=str(tmp_path))
+    _check_gloo_results(results, CONFIGS["cpu"][-1])
 
 
 @pytest.mark.slow
-def test_fsdp2_gloo_two_processes_compiled():
+def test_fsdp2_gloo_two_processes_compiled(tmp_path):
     """The layers under torch.compile (inductor's C++ backend): the code path of the
     compiled NCCL test. About 25 s on 2 CPU cores with an empty inductor cache."""
     world_size, port = 2, _free_port()
-    run_workers(_gloo_worker, (world_size, port, True), world_size, TIMEOUT_S, "FSDP2 gloo compiled")
+    results = run_workers(_gloo_worker, (world_size, port, str(tmp_path), True), world_size, TIMEOUT_S,
+                          "FSDP2 gloo compiled", result_dir=str(tmp_path))
+    _check_gloo_results(results, COMPILE_TOL)
+
+
+def _crash_worker(rank: int, result_dir: str, when: str) -> None:
+    """For ``test_run_workers_judges_by_results``: rank 1 reports; rank 0 reports and then
+    dies by SIGABRT (as in gloo's teardown crash), dies before reporting, or returns
+    without reporting."""
+    if rank == 1 or when == "after_report":
+        report_result(result_dir, rank, {"rank": rank})
+    if rank == 0 and when == "after_report":
+        while len(_read_results(result_dir, 2)) < 2:  # rank 1 has reported too
+            time.sleep(0.05)
+    if rank == 0 and when != "no_report":
+        os.abort()
+
+
+@pytest.mark.parametrize("when", ["after_report", "before_report", "no_report"])
+def test_run_workers_judges_by_results(when, tmp_path):
+    """The harness of the two-process tests: a worker killed by a signal after every
+    worker has reported is a warning and the results come back; killed before its
+    report, or gone without one, is an error. (The real teardown race is too rare to
+    reproduce: not seen in 35 runs of both gloo tests on 2 CPU cores.)"""
+    args, kw = (str(tmp_path), when), {"result_dir": str(tmp_path)}
+    if when == "after_report":
+        with pytest.warns(RuntimeWarning, match="SIGABRT after every worker had reported"):
+            results = run_workers(_crash_worker, args, 2, 60, "crash test", **kw)
+        assert results == [{"rank": 0}, {"rank": 1}]
+    elif when == "before_report":
+        with pytest.raises(mp.ProcessExitedException, match="SIGABRT"):
+            run_workers(_crash_worker, args, 2, 60, "crash test", **kw)
+    else:
+        with pytest.raises(RuntimeError, match=r"workers \[0\] exited without reporting"):
+            run_workers(_crash_worker, args, 2, 60, "crash test", **kw)
 
 
 def _nccl_worker(rank: int, world_size: int, port: int, compile: bool) -> None:
