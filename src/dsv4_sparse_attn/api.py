@@ -7,7 +7,6 @@ import torch
 from torch import Tensor
 
 from . import ops  # noqa: F401  (registers torch.ops.dsv4.*)
-from .validation import resolve_scale
 
 _INT32_MAX = 2**31 - 1
 
@@ -65,8 +64,8 @@ def sparse_mla(
     """
     if not isinstance(q, Tensor):
         raise TypeError(f"sparse_mla: q must be a torch.Tensor, got {type(q).__name__}")
-    if scale is not None:  # (the op's schema would turn a bool into 1.0 before any check)
-        resolve_scale(scale, q.shape[-1])
+    if isinstance(scale, bool):  # the op's float schema would take True as 1.0
+        raise TypeError(f"sparse_mla: scale must be a float or None, got {type(scale).__name__}")
     if q.dim() == 4:
         B, S = q.shape[:2]
         fq, fkv, fidx = _flatten_batched(q, kv, indices)
