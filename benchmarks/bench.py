@@ -1,31 +1,59 @@
-"""Benchmark of dsv4 sparse MLA on the GPU, next to plain PyTorch in the same process.
+"""Benchmark of dsv4 sparse MLA on one CUDA GPU, next to plain PyTorch in the same process.
 
-    python benchmarks/bench.py                 # the issue shapes, T=4096, D=512
-    python benchmarks/bench.py --sweep         # also time candidate block configurations
-    python benchmarks/bench.py --out results.md --json results.json
+    python benchmarks/bench.py                       # the default table (T=4096, D=512)
+    python benchmarks/bench.py --quick               # two shapes, short timings (smoke run)
+    python benchmarks/bench.py --backward-sweep [--cudnn DIR]   # the backward side by side
+    python benchmarks/report.py                      # README tables and docs/performance/bench.png
 
-Indices have the DeepSeek-V4 structure: a causal window of 128 rows, then random ids
-into a compressed pool of T/4 rows stored after the T raw rows. TFLOPS count every
-slot, masked or not: forward 4*T*H*K*D, backward 10*T*H*K*D. "extra" is the peak
-memory allocated during the call beyond its inputs and outputs.
+Default table: T=4096, D=512, bf16, a sink, DeepSeek ids (``dsv4_sparse_attn.testing.
+deepseek_indices(pool="random")``: a causal window of 128 rows, then uniform ids into a pool
+of T/4 compressed rows stored after the T raw rows), seed 0. Per shape: the forward with the
+kernel the dispatcher picks and, where both take the call, with "gluon_sm90" and "triton"
+forced (``use_kernels``); the backward (``torch.ops.dsv4.sparse_mla_bwd``, random grad_out
+and grad_lse) in the fast and the deterministic mode with the default kernel and with
+"triton" forced; a training step (``torch.ops.dsv4.sparse_mla`` forward + autograd backward)
+in the default mode; the same forward and step in plain PyTorch.
+
+``--backward-sweep``: the backward at T = 4096, 32768 and 131072, both modes, with plain
+PyTorch where its gathered rows fit (T*K*D*2 bytes < 8 GiB) and cuDNN-frontend's sm90 DSA
+backward with ``--cudnn DIR`` (DIR holds ``cudnn_peer.py``). Ids as cuDNN's side-by-side
+script makes them: window + distinct pool ids, N = T + max(T/4, K); at T = 131072 causal pool
+ids (and a T = 4096 causal row to compare with). No grad_lse (cuDNN takes none).
+
+TFLOPS count every slot, masked or not: forward 4*T*H*K*D, backward 10*T*H*K*D, over the
+median time of a call (``triton.testing.do_bench``, L2 flushed before each timed call; calls
+over 100 ms: one warm-up and three calls timed with CUDA events). "extra" is the peak memory
+allocated during a call beyond its inputs and outputs.
+
+Results: JSON in benchmarks/results/<date>_<gpu>_triton<version>[_bwd-sweep][_quick].json
+(or ``--json PATH``), written after every row, and a Markdown table at the end.
+The JSON schema is checked by ``report.validate`` (benchmarks/report.py).
 """
 from __future__ import annotations
 
 import argparse
-import itertools
+import contextlib
+import datetime
 import json
 import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
 import sys
 
 import torch
 import triton
+import triton.testing
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-import dsv4_sparse_attn  # noqa: E402,F401
-from dsv4_sparse_attn.kernels import backward as kbwd  # noqa: E402
-from dsv4_sparse_attn.kernels import backward_gluon  # noqa: E402
-from dsv4_sparse_attn.kernels import forward as kfwd  # noqa: E402
-from dsv4_sparse_attn.kernels import forward_gluon  # noqa: E402
+import dsv4_sparse_attn
+from dsv4_sparse_attn import testing
+from dsv4_sparse_attn.kernels import dispatch
+from dsv4_sparse_attn.kernels.common import Call
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS_DIR = os.path.join(HERE, "results")
 
 SHAPES = [  # (H, K, label)
     (128, 1152, "V4-Pro CSA"),
@@ -34,38 +62,62 @@ SHAPES = [  # (H, K, label)
     (64, 160, "HCA S=4096"),
     (128, 128, "window only"),
     (16, 1152, "V4-Pro TP8"),
+    (32, 1152, "V4-Pro TP4"),
 ]
+QUICK_SHAPES = (1, 5)  # V4-Flash CSA (the Gluon kernels) and V4-Pro TP8 (Triton forward)
+
+# The backward side by side: (T, H, K, ids).
+SWEEP = (
+    [(T, H, K, "distinct" if T <= 32768 else "causal")
+     for T in (4096, 32768, 131072) for H, K in ((64, 640), (128, 1152))]
+    + [(4096, H, K, "distinct") for H, K in ((128, 512), (16, 1152), (32, 1152))]
+    + [(4096, H, K, "causal") for H, K in ((64, 640), (128, 1152))]  # next to the T=131072 rows
+)
+QUICK_SWEEP = ((4096, 64, 640, "distinct"), (4096, 64, 640, "causal"))
+TORCH_ROWS_LIMIT = 8 * 2**30  # plain PyTorch gathers T*K*D*2 bytes of rows (and more)
+
+FORWARD_KERNELS = ("gluon_sm90", "triton")
+MODES = (("fast", False), ("deterministic", True))
 GIB = 2**30
+SLOW_MS = 100.0  # calls slower than this are timed with CUDA events, 1 warm-up + 3 calls
+SLOW_CALLS = 3
+TIMING = {  # (do_bench warmup ms, rep ms)
+    "table": (50, 200),
+    "sweep": (25, 100),
+    "quick": (5, 20),
+}
 
 
-def deepseek_indices(T, K, n_pool, device, window=128):
-    t = torch.arange(T, device=device)[:, None]
-    w = min(window, K)
-    win = t - torch.arange(w - 1, -1, -1, device=device)[None, :]
-    win = torch.where(win >= 0, win, torch.full_like(win, -1))
-    pool = torch.randint(0, n_pool, (T, K - w), device=device) + T
-    return torch.cat([win, pool], 1).to(torch.int32)
+# --------------------------------------------------------------------------- helpers
+def require_cuda(script: str) -> None:
+    """Exit with a message (not a traceback) where there is no CUDA GPU."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{script}: needs a CUDA GPU, and torch.cuda.is_available() is False here "
+                 f"(torch {torch.__version__}). On the CPU the ops run the PyTorch reference; "
+                 "`python -m dsv4_sparse_attn` shows which kernel runs what.")
 
 
-def make_inputs(T, H, K, D, dev="cuda"):
-    """q, kv, idx, sink of the benchmark (seed 0): T raw kv rows, then a pool of T/4."""
-    torch.manual_seed(0)
-    n_pool = T // 4
+def make_inputs(T, H, K, D, *, pool="random", n_pool=None, seed=0, dev="cuda"):
+    """q, kv, idx, sink (seed ``seed``): T raw kv rows, then a pool of ``n_pool`` (T/4) rows;
+    ids from ``testing.deepseek_indices`` with ``pool``."""
+    torch.manual_seed(seed)
+    n_pool = T // 4 if n_pool is None else n_pool
     q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
     kv = torch.randn(T + n_pool, D, device=dev, dtype=torch.bfloat16)
-    idx = deepseek_indices(T, K, n_pool, dev)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    idx = testing.deepseek_indices(T, K, n_pool=n_pool, pool=pool, device=dev, generator=g)
     sink = torch.randn(H, device=dev)
     return q, kv, idx, sink
 
 
-def backward_inputs(T, H, K, D, dev="cuda"):
-    """``make_inputs`` plus what a backward takes: the forward's out and lse (Triton
+def backward_inputs(T, H, K, D, dev="cuda", **kw):
+    """``make_inputs`` plus what a backward takes: the forward's out and lse (the default
     kernel, scale D**-0.5) and random grad_out and grad_lse.
 
     Returns q, kv, idx, sink, out, lse, do, dl.
     """
-    q, kv, idx, sink = make_inputs(T, H, K, D, dev)
-    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
+    q, kv, idx, sink = make_inputs(T, H, K, D, dev=dev, **kw)
+    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
     do, dl = torch.randn_like(out), torch.randn_like(lse)
     return q, kv, idx, sink, out, lse, do, dl
 
@@ -82,8 +134,23 @@ def torch_sparse_mla(q, kv, idx, sink, scale):
     return out, lse
 
 
-def bench(fn, rep=200):
-    return triton.testing.do_bench(fn, warmup=50, rep=rep, return_mode="median")
+def bench(fn, warmup=50, rep=200):
+    """Median ms of a call of ``fn``: ``triton.testing.do_bench`` (warmup and rep in ms, L2
+    flushed before each timed call); a call slower than SLOW_MS (T=131072) is timed with
+    CUDA events instead: one warm-up call, then SLOW_CALLS calls."""
+    fn()  # warm-up: compilation, autotuning, the allocator
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(SLOW_CALLS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+        if times[0] < SLOW_MS:
+            return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    return statistics.median(times)
 
 
 def peak_extra(fn, keep_bytes=0):
@@ -102,170 +169,342 @@ def nbytes(*ts):
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-def run_shape(T, H, K, D, label, with_torch=True, dev="cuda"):
-    q, kv, idx, sink = make_inputs(T, H, K, D, dev)
+def measure(fn, flops, timing, keep=None):
+    """{"ms", "tflops"} of ``fn``, and "extra_gib" when ``keep`` (its outputs) is given."""
+    ms = bench(fn, *timing)
+    r = {"ms": ms, "tflops": flops / ms * 1e-9}
+    if keep is not None:
+        r["extra_gib"] = peak_extra(fn, nbytes(*keep)) / GIB
+    return r
+
+
+@contextlib.contextmanager
+def backward_mode(deterministic):
+    """``set_deterministic_backward`` for a block, back to following torch after it."""
+    dsv4_sparse_attn.set_deterministic_backward(deterministic)
+    try:
+        yield
+    finally:
+        dsv4_sparse_attn.set_deterministic_backward(None)
+
+
+def kernel_name(direction, q, deterministic=True):
+    """The kernel the dispatcher runs for this call now (under any ``use_kernels``)."""
+    return dispatch.choose(direction, Call.of(q, deterministic))[0]
+
+
+def rejection(direction, name, q, deterministic=True):
+    """Why kernel ``name`` does not take this call, or None if it does."""
+    try:
+        with dsv4_sparse_attn.use_kernels(**{direction: name}):
+            kernel_name(direction, q, deterministic)
+    except ValueError as e:
+        return str(e).split("does not take this call: ", 1)[-1]
+    return None
+
+
+def attempt(fn):
+    """fn()'s result, or {"error": ...} (a forced kernel that fails to build, out of memory):
+    one failure costs one figure, not the session's table."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        with contextlib.suppress(Exception):  # a CUDA error may be sticky: report it all the same
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        print(f"  error: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def cosine(a, b):
+    a, b = a.detach().float().flatten(), b.detach().float().flatten()
+    return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+
+
+# --------------------------------------------------------------------------- default table
+def table_row(T, H, K, D, label, timing, with_torch=True):
+    q, kv, idx, sink = make_inputs(T, H, K, D)
     scale = D ** -0.5
     fl_f, fl_b = 4 * T * H * K * D, 10 * T * H * K * D
-    row = dict(label=label, T=T, H=H, K=K, D=D)
+    row = dict(label=label, T=T, H=H, K=K, D=D, N=kv.shape[0])
 
-    fwd = lambda: kfwd.sparse_mla_fwd(q, kv, idx, sink, scale)
+    fwd = lambda: torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)  # noqa: E731
     out, lse = fwd()
-    row["fwd_ms"] = bench(fwd)
-    row["fwd_tflops"] = fl_f / row["fwd_ms"] * 1e-9
-    row["fwd_extra_gib"] = peak_extra(fwd, nbytes(out, lse)) / GIB
-    row["fwd_gather_gbs"] = T * K * D * 2 / row["fwd_ms"] * 1e-6
-    if forward_gluon.supported(q, D, H):
-        gfwd = lambda: forward_gluon.sparse_mla_fwd(q, kv, idx, sink, scale)
-        go, gl_ = gfwd()
-        row["gluon_fwd_err"] = ((go.float() - out.float()).norm() / out.float().norm()).item()
-        row["gluon_fwd_ms"] = bench(gfwd)
-        row["gluon_fwd_tflops"] = fl_f / row["gluon_fwd_ms"] * 1e-9
-        row["gluon_fwd_extra_gib"] = peak_extra(gfwd, nbytes(go, gl_)) / GIB
-        del go, gl_
+    row["fwd"] = dict(kernel=kernel_name("forward", q), **measure(fwd, fl_f, timing, keep=(out, lse)))
+    row["fwd"]["gather_gbs"] = T * K * D * 2 / row["fwd"]["ms"] * 1e-6
+    # Each forward kernel: forced where both take the call, else the default figure again.
+    takes = {n: rejection("forward", n, q) for n in FORWARD_KERNELS}
+    row["fwd_kernels"] = {}
+    for name, reason in takes.items():
+        if reason is not None:
+            row["fwd_kernels"][name] = {"rejected": reason}
+        elif all(r is None for r in takes.values()):
+            with dsv4_sparse_attn.use_kernels(forward=name):
+                row["fwd_kernels"][name] = dict(attempt(lambda: measure(fwd, fl_f, timing)), forced=True)
+        else:
+            row["fwd_kernels"][name] = dict(ms=row["fwd"]["ms"], tflops=row["fwd"]["tflops"], forced=False)
 
     do, dl = torch.randn_like(out), torch.randn_like(lse)
-    # The default backward (what the op runs): the Gluon main kernel where the dispatcher
-    # picks it (sm_90, D=512; per mode, backward_gluon.supported), else the Triton one;
-    # "triton_" rows time the Triton main kernel on the same shapes for comparison.
-    gluon_bwd = {det: backward_gluon.supported(q, D, H, deterministic=det) for det in (True, False)}
-    kinds = [("", None)] + ([("triton_", False)] if any(gluon_bwd.values()) else [])
-    for (prefix, force), det in itertools.product(kinds, (True, False)):
-        # deterministic: the sorted per-row sum (default); else fp32 atomics
-        use_gluon = gluon_bwd[det] if force is None else force
-        tag = prefix + ("bwd" if det else "bwd_atomic")
-        bwd = lambda: kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, scale, deterministic=det,
-                                          gluon=use_gluon)
-        g = bwd()
-        row[f"{tag}_ms"] = bench(bwd)
-        row[f"{tag}_tflops"] = fl_b / row[f"{tag}_ms"] * 1e-9
-        row[f"{tag}_extra_gib"] = peak_extra(bwd, nbytes(*g)) / GIB
-        del g
+    bwd = lambda: torch.ops.dsv4.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, scale)  # noqa: E731
+    row["bwd"], row["bwd_triton"] = {}, {}
+    for mode, det in MODES:
+        with backward_mode(det):
+            g = bwd()
+            name = kernel_name("backward", q, det)
+            row["bwd"][mode] = dict(kernel=name, **measure(bwd, fl_b, timing, keep=g))
+            del g
+            if name == "triton":
+                row["bwd_triton"][mode] = dict(ms=row["bwd"][mode]["ms"], tflops=row["bwd"][mode]["tflops"],
+                                               forced=False)
+            elif rejection("backward", "triton", q, det) is None:
+                with dsv4_sparse_attn.use_kernels(backward="triton"):
+                    row["bwd_triton"][mode] = dict(attempt(lambda: measure(bwd, fl_b, timing)), forced=True)
 
-    # One training step of the op through torch.ops.dsv4.sparse_mla (autograd).
+    # One training step of the op through torch.ops.dsv4.sparse_mla (autograd), default mode.
     qg, kvg, sg = (x.detach().requires_grad_() for x in (q, kv, sink))
 
     def step_ours():
-        o, l = torch.ops.dsv4.sparse_mla(qg, kvg, idx, sg, scale)
-        torch.autograd.backward((o, l), (do, dl))
+        o, lse_ = torch.ops.dsv4.sparse_mla(qg, kvg, idx, sg, scale)
+        torch.autograd.backward((o, lse_), (do, dl))
 
-    row["step_ms"] = bench(step_ours)
+    det = dsv4_sparse_attn.deterministic_backward()
+    row["step"] = dict(ms=bench(step_ours, *timing), mode="deterministic" if det else "fast",
+                       fwd_kernel=kernel_name("forward", q), bwd_kernel=kernel_name("backward", q, det))
     if with_torch:
-        tf = lambda: torch_sparse_mla(q, kv, idx, sink, scale)
-        row["torch_fwd_ms"] = bench(tf, rep=100)
-        row["torch_fwd_extra_gib"] = peak_extra(tf, nbytes(out, lse)) / GIB
+        tf = lambda: torch_sparse_mla(q, kv, idx, sink, scale)  # noqa: E731
 
         def step_torch():
-            o, l = torch_sparse_mla(qg, kvg, idx, sg, scale)
-            torch.autograd.backward((o, l), (do, dl))
+            o, lse_ = torch_sparse_mla(qg, kvg, idx, sg, scale)
+            torch.autograd.backward((o, lse_), (do, dl))
 
-        row["torch_step_ms"] = bench(step_torch, rep=100)
-        row["step_speedup"] = row["torch_step_ms"] / row["step_ms"]
+        def torch_figures():
+            r = measure(tf, fl_f, timing, keep=(out, lse))
+            r = {"fwd_ms": r["ms"], "fwd_tflops": r["tflops"], "fwd_extra_gib": r["extra_gib"]}
+            r["step_ms"] = bench(step_torch, *timing)
+            return r
+
+        row["torch"] = attempt(torch_figures)
+        if "step_ms" in row["torch"]:
+            row["step_speedup"] = row["torch"]["step_ms"] / row["step"]["ms"]
     return row
 
 
-def sweep(T, D, dev="cuda", which="all"):
-    """Time candidate block configurations on two shapes (prints; winners go in code)."""
-    res = []
-    for H, K in ((128, 1152), (64, 640)):
-        q, kv, idx, sink, out, lse, do, dl = backward_inputs(T, H, K, D, dev)
-        triton_fwd_cfgs = (kfwd.FwdConfig(64, 64, 8, 1), kfwd.FwdConfig(64, 64, 8, 2), kfwd.FwdConfig(64, 32, 8, 2),
-                           kfwd.FwdConfig(64, 32, 8, 3), kfwd.FwdConfig(64, 32, 8, 4), kfwd.FwdConfig(64, 16, 8, 4))
-        for cfg in triton_fwd_cfgs if which == "all" else ():
-            try:
-                ms = bench(lambda: kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, config=cfg), rep=100)
-                r = dict(kind="fwd", H=H, K=K, cfg=tuple(cfg), ms=ms, tflops=4 * T * H * K * D / ms * 1e-9)
-            except Exception as e:  # out of resources etc.
-                r = dict(kind="fwd", H=H, K=K, cfg=tuple(cfg), error=str(e)[:120])
-            print(r, flush=True)
-            res.append(r)
-        gluon_variants = ({}, dict(BENCH_GATHER=False))  # the last: diagnostic only (wrong output)
-        ref_o = None
-        for var in gluon_variants if which in ("all", "gluon", "gluon+bwd") else ():
-            if ref_o is None:
-                ref_o = forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)[0].float()
-            try:
-                f = lambda: forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, **var)
-                err = ((f()[0].float() - ref_o).norm() / ref_o.norm()).item()
-                ms = bench(f, rep=100)
-                r = dict(kind="gluon_fwd", H=H, K=K, variant=var, ms=ms,
-                         tflops=4 * T * H * K * D / ms * 1e-9, err_vs_default=err)
-            except Exception as e:
-                r = dict(kind="gluon_fwd", H=H, K=K, variant=var, error=str(e)[:200])
-            print(r, flush=True)
-            res.append(r)
-        bwd_cfgs = (kbwd.BwdConfig(64, 64, 8, 1), kbwd.BwdConfig(64, 32, 8, 2))
-        budgets = (512 * 2**20, kbwd.PARTIAL_BYTES)  # the deterministic buffer: old and current bound
-        sweep_bwd = which in ("all", "bwd", "gluon+bwd")
-        for cfg, budget in itertools.product(bwd_cfgs, budgets) if sweep_bwd else ():
-            for det in (True, False) if budget == budgets[-1] else (True,):
-                kbwd.PARTIAL_BYTES, saved = budget, kbwd.PARTIAL_BYTES
-                try:
-                    ms = bench(lambda: kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, D ** -0.5,
-                                                           deterministic=det, config=cfg), rep=100)
-                    r = dict(kind="bwd" if det else "bwd_atomic", H=H, K=K, cfg=tuple(cfg), ms=ms,
-                             partial_mib=budget >> 20, tflops=10 * T * H * K * D / ms * 1e-9)
-                except Exception as e:
-                    r = dict(kind="bwd", H=H, K=K, cfg=tuple(cfg), error=str(e)[:200])
-                finally:
-                    kbwd.PARTIAL_BYTES = saved
-                print(r, flush=True)
-                res.append(r)
-    return res
+# --------------------------------------------------------------------------- backward sweep
+def load_cudnn(path):
+    """cudnn_peer from ``path`` (its make_bwd), or None with the reason printed."""
+    sys.path.insert(0, os.path.abspath(path))
+    try:
+        import cudnn_peer
+        return cudnn_peer, None
+    except Exception as e:  # noqa: BLE001
+        why = f"{type(e).__name__}: {str(e)[:300]}"
+        print(f"cuDNN peer not loaded from {path}: {why}", file=sys.stderr, flush=True)
+        return None, why
 
 
-def table(rows):
-    hdr = ("| shape | H | K | fwd ms | fwd TFLOPS | Gluon fwd ms (TFLOPS) | fwd extra GiB | bwd ms | bwd TFLOPS | bwd extra GiB "
-           "| bwd atomic ms | bwd atomic TFLOPS | Triton-main bwd TFLOPS det / atomic "
-           "| torch fwd ms (TFLOPS, extra GiB) | step ms ours / torch (speedup) |")
-    lines = [hdr, "|" + "---|" * (hdr.count("|") - 1)]
-    for r in rows:
-        tf = 4 * r["T"] * r["H"] * r["K"] * r["D"]
-        torch_col = (f"{r['torch_fwd_ms']:.2f} ({tf / r['torch_fwd_ms'] * 1e-9:.0f}, "
-                     f"{r['torch_fwd_extra_gib']:.1f})" if "torch_fwd_ms" in r else "-")
-        step_col = (f"{r['step_ms']:.2f} / {r['torch_step_ms']:.2f} ({r['step_speedup']:.1f}x)"
-                    if "torch_step_ms" in r else f"{r['step_ms']:.2f}")
-        lines.append(
-            f"| {r['label']} | {r['H']} | {r['K']} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | "
-            + (f"{r['gluon_fwd_ms']:.3f} ({r['gluon_fwd_tflops']:.0f}) | " if "gluon_fwd_ms" in r else "- | ")
-            + f"{max(r['fwd_extra_gib'], r.get('gluon_fwd_extra_gib', 0.0)):.2f} | "
-            f"{r['bwd_ms']:.3f} | {r['bwd_tflops']:.0f} | {r['bwd_extra_gib']:.2f} | "
-            f"{r['bwd_atomic_ms']:.3f} | {r['bwd_atomic_tflops']:.0f} | "
-            + (f"{r['triton_bwd_tflops']:.0f} / {r['triton_bwd_atomic_tflops']:.0f} | " if "triton_bwd_ms" in r
-               else "(same) | ")
-            + f"{torch_col} | {step_col} |")
-    return "\n".join(lines)
+def sweep_row(T, H, K, ids, D, timing, peer=None, with_torch=True):
+    n_pool = max(T // 4, K)
+    q, kv, idx, sink = make_inputs(T, H, K, D, pool=ids, n_pool=n_pool)
+    N, scale, fl_b = kv.shape[0], D ** -0.5, 10 * T * H * K * D
+    row = dict(T=T, H=H, K=K, D=D, N=N, ids=ids,
+               valid_slots=((idx >= 0) & (idx < N)).float().mean().item())
+    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)
+    do = torch.randn_like(out)
+    bwd = lambda: torch.ops.dsv4.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale)  # noqa: E731
+    ours = {}
+    for mode, det in MODES:
+        with backward_mode(det):
+            g = bwd()
+            ours[mode] = (g[1], g[2])  # grad_kv, grad_sink: for the cosine with cuDNN's
+            row[mode] = dict(kernel=kernel_name("backward", q, det), **measure(bwd, fl_b, timing, keep=g))
+            del g
+
+    if with_torch and T * K * D * 2 < TORCH_ROWS_LIMIT:
+        def torch_bwd():
+            qg, kvg, sg = (x.detach().requires_grad_() for x in (q, kv, sink))
+            o, _ = torch_sparse_mla(qg, kvg, idx, sg, scale)
+            r = measure(lambda: torch.autograd.grad(o, (qg, kvg, sg), do, retain_graph=True), fl_b, timing)
+            del o
+            return r
+        row["torch"] = attempt(torch_bwd)
+    else:
+        why = f"T*K*D*2 bytes >= {TORCH_ROWS_LIMIT / GIB:g} GiB" if with_torch else "--no-torch"
+        row["torch"] = {"skipped": why}
+
+    if peer is not None:
+        def cudnn():
+            f = peer.make_bwd(q, kv, idx, sink, scale, out, lse, do)
+            dq, dkv, dsink = f()
+            r = measure(f, fl_b, timing)
+            r["cos_dkv"] = {m: cosine(dkv, ours[m][0]) for m, _ in MODES}
+            if dsink is not None:
+                r["cos_dsink"] = {m: cosine(dsink, ours[m][1]) for m, _ in MODES}
+            return r
+        row["cudnn"] = attempt(cudnn)
+
+    sp = {}
+    for mode, _ in MODES:
+        for other in ("torch", "cudnn"):
+            if "ms" in row.get(other, {}):
+                sp[f"{mode}_vs_{other}"] = row[other]["ms"] / row[mode]["ms"]
+    sp["deterministic_vs_fast"] = row["fast"]["ms"] / row["deterministic"]["ms"]
+    row["speedups"] = sp  # other's time / ours: > 1 where ours is faster
+    return row
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--T", type=int, default=4096)
+# --------------------------------------------------------------------------- results
+def git_commit():
+    try:
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                           timeout=10)
+        if r.returncode != 0:
+            return "unknown", None
+        d = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+                           capture_output=True, text=True, timeout=10)
+        return r.stdout.strip(), (bool(d.stdout.strip()) if d.returncode == 0 else None)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None
+
+
+def slug(s):
+    return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-")
+
+
+def document(kind, settings, quick):
+    """The JSON envelope: when, where, with what (rows are added as they are measured)."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    commit, dirty = git_commit()
+    return {
+        "schema": 1,
+        "kind": kind,
+        "quick": quick,
+        "complete": False,
+        "date": now.date().isoformat(),
+        "timestamp": now.isoformat(timespec="seconds"),
+        "commit": commit,
+        "commit_dirty": dirty,
+        "gpu": {"name": props.name, "sm_count": props.multi_processor_count,
+                "capability": f"{props.major}.{props.minor}", "memory_gib": props.total_memory / GIB},
+        "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                     "python": platform.python_version(), "dsv4_sparse_attn": dsv4_sparse_attn.__version__,
+                     "cuda": torch.version.cuda},
+        "command": shlex.join([os.path.basename(sys.executable)] + sys.argv),
+        "settings": settings,
+        "rows": [],
+    }
+
+
+def default_json_path(doc):
+    name = f"{doc['date']}_{slug(doc['gpu']['name'])}_triton{doc['versions']['triton']}"
+    name += "_bwd-sweep" if doc["kind"] == "backward_sweep" else ""
+    name += "_quick" if doc["quick"] else ""
+    return os.path.join(RESULTS_DIR, name + ".json")
+
+
+def write(doc, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        description="Benchmark of dsv4 sparse MLA on one CUDA GPU (the default table, or the backward "
+                    "side by side with --backward-sweep); JSON results for benchmarks/report.py.")
+    ap.add_argument("--backward-sweep", action="store_true",
+                    help="the backward side by side (T up to 131072, both modes, plain PyTorch, cuDNN)")
+    ap.add_argument("--cudnn", metavar="DIR", help="with --backward-sweep: time cuDNN's backward "
+                    "(DIR/cudnn_peer.py, make_bwd)")
+    ap.add_argument("--shapes", default="all",
+                    help="'all', or comma-separated rows of the default table by number (0-6) or label; "
+                         "the sweep keeps the rows with those (H, K)")
+    ap.add_argument("--T", default=None,
+                    help="comma-separated T (table default 4096; the sweep keeps the rows with these T)")
     ap.add_argument("--D", type=int, default=512)
-    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "gluon", "bwd", "gluon+bwd"])
-    ap.add_argument("--shapes", default="all", help="'all' or comma-separated row numbers, e.g. 0,1")
-    ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--out")
-    ap.add_argument("--json")
-    a = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="a reduced set with short timings, for smoke runs")
+    ap.add_argument("--no-torch", action="store_true", help="leave out plain PyTorch")
+    ap.add_argument("--json", metavar="PATH", help="results JSON (default: benchmarks/results/"
+                    "<date>_<gpu>_triton<version>[_bwd-sweep][_quick].json)")
+    ap.add_argument("--out", metavar="PATH", help="also write the Markdown table here")
+    a = ap.parse_args(argv)
+    if a.cudnn and not a.backward_sweep:
+        ap.error("--cudnn goes with --backward-sweep")
+    if a.shapes == "all":
+        a.shape_rows = list(range(len(SHAPES))) if not a.quick else list(QUICK_SHAPES)
+    else:
+        labels = {s[2].lower(): i for i, s in enumerate(SHAPES)}
+        a.shape_rows = []
+        for tok in a.shapes.split(","):
+            tok = tok.strip()
+            if tok.isdigit() and int(tok) < len(SHAPES):
+                a.shape_rows.append(int(tok))
+            elif tok.lower() in labels:
+                a.shape_rows.append(labels[tok.lower()])
+            else:
+                ap.error(f"--shapes: no row {tok!r} (0-{len(SHAPES) - 1} or one of "
+                         f"{', '.join(s[2] for s in SHAPES)})")
+    try:
+        a.Ts = [int(t) for t in a.T.split(",")] if a.T else None
+    except ValueError:
+        ap.error(f"--T takes comma-separated integers, got {a.T!r}")
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    require_cuda("bench.py")
+    sys.path.insert(0, HERE)
+    import report  # the tables (benchmarks/report.py: the standard library only)
+
+    timing = TIMING["quick" if a.quick else "sweep" if a.backward_sweep else "table"]
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
-    res = {"sweep": sweep(a.T, a.D, which=a.sweep) if a.sweep else []}
-    rows = []
-    shapes = SHAPES if a.shapes == "all" else [SHAPES[int(i)] for i in a.shapes.split(",")]
-    for H, K, label in shapes:
-        r = run_shape(a.T, H, K, a.D, label, with_torch=not a.no_torch)
-        print(json.dumps(r), flush=True)
-        rows.append(r)
+    if a.backward_sweep:
+        hk = {(SHAPES[i][0], SHAPES[i][1]) for i in a.shape_rows}
+        rows = [r for r in (QUICK_SWEEP if a.quick else SWEEP)
+                if (r[1], r[2]) in hk and (a.Ts is None or r[0] in a.Ts)]
+        peer, peer_error = load_cudnn(a.cudnn) if a.cudnn else (None, None)
+        settings = {"D": a.D, "dtype": "bfloat16", "sink": True, "seed": 0, "grad_lse": None,
+                    "ids": "testing.deepseek_indices(window=128, n_pool=max(T//4, K), pool=ids)",
+                    "timing_ms": {"warmup": timing[0], "rep": timing[1], "slow_ms": SLOW_MS,
+                                  "slow_calls": SLOW_CALLS},
+                    "torch_rows_limit_gib": TORCH_ROWS_LIMIT / GIB,
+                    "cudnn": a.cudnn, "cudnn_error": peer_error}
+        doc = document("backward_sweep", settings, a.quick)
+    else:
+        rows = [(T, *SHAPES[i]) for T in (a.Ts or [4096]) for i in a.shape_rows]
+        settings = {"D": a.D, "dtype": "bfloat16", "sink": True, "seed": 0,
+                    "ids": "testing.deepseek_indices(window=128, n_pool=T//4, pool='random')",
+                    "timing_ms": {"warmup": timing[0], "rep": timing[1], "slow_ms": SLOW_MS,
+                                  "slow_calls": SLOW_CALLS}}
+        doc = document("table", settings, a.quick)
+    path = a.json or default_json_path(doc)
+
+    for r in rows:
+        if a.backward_sweep:
+            T, H, K, ids = r
+            print(f"T={T} H={H} K={K} ids={ids}", flush=True)
+            row = sweep_row(T, H, K, ids, a.D, timing, peer, with_torch=not a.no_torch)
+        else:
+            T, H, K, label = r
+            print(f"{label}: T={T} H={H} K={K}", flush=True)
+            row = table_row(T, H, K, a.D, label, timing, with_torch=not a.no_torch)
+        doc["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        write(doc, path)
         torch.cuda.empty_cache()
-    res["rows"] = rows
-    t = table(rows)
-    small = [r for r in rows if r["H"] == 16]
-    for r in small:
-        t += (f"\n\nH={r['H']} K={r['K']}: forward gathers {r['fwd_gather_gbs']:.0f} GB/s of KV rows "
-              f"(device copy ceiling about 4300 GB/s).")
-    print(t)
+    doc["complete"] = True
+    report.validate(doc)
+    write(doc, path)
+    text = report.tables(doc)
+    print("\n" + text)
+    print(f"\nwrote {path}")
     if a.out:
-        open(a.out, "w").write(t + "\n")
-    if a.json:
-        json.dump(res, open(a.json, "w"), indent=1)
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":

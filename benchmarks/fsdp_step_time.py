@@ -1,16 +1,19 @@
 """FSDP2 step time, one GPU against two: the model of tests/test_fsdp.py at a larger size.
 
-    PYTHONPATH=src:tests python benchmarks/fsdp_step_time.py [--compile] [--ac full]
+    PYTHONPATH=src python benchmarks/fsdp_step_time.py [--compile] [--ac full]
 
 Each row of the table is a fresh run in its own processes (torch.multiprocessing.spawn,
-one per GPU, NCCL; the one-GPU row is world_size 1): the residual sparse-MLA layers of
-tests/test_fsdp.py, each wrapped in activation checkpointing and ``fully_shard`` with
-bf16 parameters and fp32 gradient reduction (optionally ``torch.compile``-d first, as the
-tests do), SGD with momentum. A step is zero_grad + forward + loss + backward + optimizer
-step, timed between two ``torch.cuda.synchronize()``; the first ``--warmup`` steps (the
-compilation, the Triton autotuning) are left out; the mean is the slowest rank's.
+one per GPU, NCCL; the one-GPU row is world_size 1): residual sparse-MLA layers (x +
+``SparseMLAAttention``(x), bias on, sink drawn from N(0, 1): the layers of
+tests/test_fsdp.py, rebuilt here on the public API), each wrapped in activation
+checkpointing and ``fully_shard`` with bf16 parameters and fp32 gradient reduction
+(optionally ``torch.compile``-d first, as the tests do), SGD with momentum. A step is
+zero_grad + forward + loss + backward + optimizer step, timed between two
+``torch.cuda.synchronize()``; the first ``--warmup`` steps (the compilation, the Triton
+autotuning) are left out; the mean is the slowest rank's.
 tokens/s = global batch * seq / mean step time. Each rank draws its own random batch
-(global batch / GPUs samples) once and reuses it.
+(global batch / GPUs samples; ids from ``dsv4_sparse_attn.testing.causal_indices``) once
+and reuses it.
 
 Default rows: 1 GPU and 2 GPUs at the same global batch (strong scaling), and 2 GPUs at
 twice the batch (the same per-GPU work as the 1-GPU row: weak scaling).
@@ -23,19 +26,104 @@ import argparse
 import datetime
 import json
 import os
+import socket
 import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.utils.checkpoint as cp
+from torch import nn
 
-from helpers import causal_indices
-from test_fsdp import NCCL_ENV, Model, _compile_layers, _free_port, _loss, run_workers
+from dsv4_sparse_attn import SparseMLAAttention, checkpoint_contexts
+from dsv4_sparse_attn.testing import causal_indices
 
 # No NVLink SHARP / multicast on the lent machines: set here, so the spawned workers
 # inherit it, and again in each worker before NCCL starts.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 os.environ.update(NCCL_ENV)
+
+
+class Layer(nn.Module):
+    """x + attention(x): a residual attention layer."""
+
+    def __init__(self, dim, n_heads, head_dim):
+        super().__init__()
+        self.attn = SparseMLAAttention(dim, n_heads, head_dim, bias=True)
+        with torch.no_grad():
+            self.attn.attn_sink.normal_()
+
+    def forward(self, x, idx):
+        return x + self.attn(x, idx)
+
+
+class Checkpointed(nn.Module):
+    """Activation checkpointing around ``inner``: "none", "full" (recompute everything) or
+    "selective" (dsv4's policy: keep the attention's outputs, recompute the rest).
+    ``fully_shard`` goes on this wrapper, so FSDP's all-gathers stay outside the
+    checkpointed region."""
+
+    def __init__(self, inner: nn.Module, mode: str):
+        super().__init__()
+        self.inner, self.mode = inner, mode
+
+    def forward(self, x, idx):
+        if self.mode == "none":
+            return self.inner(x, idx)
+        kw = {"context_fn": checkpoint_contexts()} if self.mode == "selective" else {}
+        return cp.checkpoint(self.inner, x, idx, use_reentrant=False, **kw)
+
+
+class Model(nn.Module):
+    def __init__(self, dim, n_heads, head_dim, mode, n_layers=2):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            Checkpointed(Layer(dim, n_heads, head_dim), mode) for _ in range(n_layers))
+
+    def forward(self, x, idx):
+        for layer in self.layers:
+            x = layer(x, idx)
+        return x
+
+
+def _loss(y, target):
+    return (y.float() - target).square().mean()
+
+
+def _compile_layers(model: Model) -> None:
+    """Each layer becomes ``torch.compile(layer, fullgraph=True)`` before ``fully_shard``
+    (as torchtitan does): FSDP2's hooks stay eager around the compiled call."""
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = torch.compile(layer, fullgraph=True)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(worker, args, nprocs: int, timeout_s: float, what: str) -> None:
+    """Run ``worker(rank, *args)`` in ``nprocs`` spawned processes and wait for them: a
+    worker's exception is raised with its traceback, a hang raises TimeoutError after
+    ``timeout_s``, and no worker outlives this call."""
+    ctx = mp.spawn(worker, args=args, nprocs=nprocs, join=False)  # start method "spawn"
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=5):  # raises as soon as a worker fails
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} workers did not finish within {timeout_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in ctx.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
 
 
 def _worker(rank: int, world_size: int, port: int, global_batch: int, a: dict, out: str) -> None:

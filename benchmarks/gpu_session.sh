@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
-# Device-machine runs (results under $OUT), in two parts that each fit a 10-minute call:
+# Device-machine runs (results under $OUT), in parts that each fit a 10-minute call:
 #   bash benchmarks/gpu_session.sh tests   # GPU tests, opcheck on CUDA, training example
-#   bash benchmarks/gpu_session.sh bench   # compute-sanitizer memcheck, benchmark table
+#   bash benchmarks/gpu_session.sh bench   # compute-sanitizer memcheck, benchmark table, report
+#   bash benchmarks/gpu_session.sh sweep   # backward side by side (with cuDNN if CUDNN_DIR
+#                                          # holds cudnn_peer.py; default .peers/cudnn_dsa), report
+# bench and sweep write benchmarks/results/*.json; report.py then rewrites README.md's
+# performance section and docs/performance/bench.png. All three come back under $OUT
+# (results/, README.md, bench.png): copy them into the checkout and commit them.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
+
+report() {  # README section and figure from the newest results; everything back to $OUT
+  timeout 60 python3 benchmarks/report.py 2>&1 | tail -3
+  mkdir -p "$OUT/results"
+  cp benchmarks/results/*.json "$OUT/results/" 2>/dev/null
+  cp README.md "$OUT/README.md"
+  cp docs/performance/bench.png "$OUT/bench.png" 2>/dev/null
+}
+
 case "${1:-tests}" in
 tests)
   # The CPU-only files (expecttest is not installed there) are covered by CI.
@@ -19,8 +33,24 @@ tests)
 bench)
   timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_case.py \
     > "$OUT/sanitizer.log" 2>&1; echo "compute-sanitizer exit $?" | tee -a "$OUT/sanitizer.log"
-  tail -4 "$OUT/sanitizer.log"
-  timeout 400 python3 benchmarks/bench.py --json "$OUT/bench.json" --out "$OUT/bench.md" 2>&1 \
-    | tee "$OUT/bench.log" | grep -v '^{"label'
+  tail -5 "$OUT/sanitizer.log"
+  timeout 380 python3 benchmarks/bench.py --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | grep -v '^{'
+  report
+  ;;
+sweep)
+  CUDNN_DIR=${CUDNN_DIR:-.peers/cudnn_dsa}
+  CUDNN=()
+  if [ -f "$CUDNN_DIR/cudnn_peer.py" ]; then
+    if [ -f "$CUDNN_DIR/install.sh" ]; then
+      timeout 120 bash "$CUDNN_DIR/install.sh" > "$OUT/cudnn_install.log" 2>&1; tail -2 "$OUT/cudnn_install.log"
+    fi
+    CUDNN=(--cudnn "$CUDNN_DIR")
+  fi
+  timeout 480 python3 benchmarks/bench.py --backward-sweep ${CUDNN[@]+"${CUDNN[@]}"} --out "$OUT/bench_sweep.md" 2>&1 \
+    | tee "$OUT/bench_sweep.log" | grep -v '^{'
+  report
+  ;;
+*)
+  echo "usage: bash benchmarks/gpu_session.sh tests|bench|sweep" >&2; exit 2
   ;;
 esac

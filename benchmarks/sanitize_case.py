@@ -1,37 +1,69 @@
-"""A small forward + backward with out-of-range and negative ids, for compute-sanitizer.
+"""A small forward + backward with out-of-range, negative and extreme ids, for compute-sanitizer.
 
-    compute-sanitizer --tool memcheck python benchmarks/sanitize_case.py
+    compute-sanitizer --tool memcheck --error-exitcode 9 python benchmarks/sanitize_case.py
+
+T=37 tokens, N=50 kv rows, K=77 slots with ids drawn from [-N, 2N), a column of
+2**31 - 1, one of -2**31 and a token whose ids are all -1; H in (128, 100, 16) at D=512
+and H=5 at D=128. Every forward kernel ("gluon_sm90", "triton") and, in both backward
+modes, every backward main kernel that takes the call runs it (``use_kernels``); the
+outputs must be finite. The sanitizer reports any out-of-bounds access.
 """
-import os
-import sys
+from __future__ import annotations
+
+import argparse
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from dsv4_sparse_attn.kernels import backward as kbwd  # noqa: E402
-from dsv4_sparse_attn.kernels import backward_gluon  # noqa: E402
-from dsv4_sparse_attn.kernels import forward as kfwd  # noqa: E402
-from dsv4_sparse_attn.kernels import forward_gluon  # noqa: E402
+import dsv4_sparse_attn
+from bench import backward_mode, rejection, require_cuda
 
-T, N, K = 37, 50, 77
-for H, D in ((128, 512), (100, 512), (16, 512), (5, 128)):
-    q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
-    idx = torch.randint(-N, 2 * N, (T, K), device="cuda", dtype=torch.int32)
-    idx[:, 0] = 2**31 - 1
-    idx[:, 1] = -(2**31)
-    idx[3] = -1
-    sink = torch.randn(H, device="cuda")
-    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
-    if forward_gluon.supported(q, D, H):  # the default forward for D=512, H>=64 on sm_90
-        go, gl_ = forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
-        assert torch.isfinite(go).all()
-    do, dl = torch.randn_like(out), torch.randn_like(lse)
-    for det in (True, False):
-        g = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, D ** -0.5, deterministic=det)
-        if backward_gluon.supported(q, D, H):  # the default main kernel for D=512, H>=64 on sm_90
-            gg = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, D ** -0.5, deterministic=det,
-                                     gluon=True)
-            assert all(torch.isfinite(x).all() for x in gg)
-    torch.cuda.synchronize()
-    print("H", H, "D", D, "ok", bool(torch.isfinite(out).all()), bool(torch.isfinite(g[0]).all()))
+KERNELS = ("gluon_sm90", "triton")
+CASES = ((128, 512), (100, 512), (16, 512), (5, 128))  # (H, D)
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Forward and backward of every kernel on out-of-range, negative "
+                                             "and extreme ids (run it under compute-sanitizer).")
+    ap.parse_args()
+    require_cuda("sanitize_case.py")
+    T, N, K = 37, 50, 77
+    torch.manual_seed(0)
+    for H, D in CASES:
+        scale = D ** -0.5
+        q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+        idx = torch.randint(-N, 2 * N, (T, K), device="cuda", dtype=torch.int32)
+        idx[:, 0] = 2**31 - 1
+        idx[:, 1] = -(2**31)
+        idx[3] = -1
+        sink = torch.randn(H, device="cuda")
+        ran, outs = [], {}
+        for name in KERNELS:
+            why = rejection("forward", name, q)
+            if why:
+                ran.append(f"fwd {name}: not run ({why})")
+                continue
+            with dsv4_sparse_attn.use_kernels(forward=name):
+                outs[name] = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)
+            assert all(torch.isfinite(x).all() for x in outs[name]), f"forward {name}: not finite"
+            ran.append(f"fwd {name}")
+        out, lse = outs["triton"]  # the Triton forward takes every case
+        do, dl = torch.randn_like(out), torch.randn_like(lse)
+        for det in (True, False):
+            mode = "deterministic" if det else "fast"
+            with backward_mode(det):
+                for name in KERNELS:
+                    why = rejection("backward", name, q, det)
+                    if why:
+                        ran.append(f"bwd {mode} {name}: not run ({why})")
+                        continue
+                    with dsv4_sparse_attn.use_kernels(backward=name):
+                        g = torch.ops.dsv4.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, scale)
+                    assert all(torch.isfinite(x).all() for x in g), f"backward {mode} {name}: not finite"
+                    ran.append(f"bwd {mode} {name}")
+        torch.cuda.synchronize()
+        print(f"H {H} D {D} ok: " + "; ".join(ran), flush=True)
+
+
+if __name__ == "__main__":
+    main()

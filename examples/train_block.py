@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 import time
@@ -24,9 +25,7 @@ import time
 import torch
 
 from dsv4_sparse_attn import SparseMLAAttention
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _png_plot import line_plot_png  # noqa: E402
+from dsv4_sparse_attn.testing import causal_indices
 
 # name: (dim, heads H, head dim D, batch B, sequence S, slots K, causal window W, lr)
 # Adam moves every weight by about lr per step, so a stable lr shrinks with the fan-in of
@@ -35,16 +34,6 @@ CONFIGS = {
     "cuda": (512, 16, 512, 4, 1024, 256, 128, 3e-4),   # DeepSeek-V4's head dim; 16 heads (V4-Pro at TP=8)
     "cpu": (128, 8, 64, 2, 128, 40, 16, 5e-3),         # small: the CPU runs the reference
 }
-
-
-def causal_topk_indices(B: int, S: int, K: int, window: int, device, generator=None) -> torch.Tensor:
-    """[B, S, K] int32: the window t-W+1..t (-1 before 0), then K-W random positions 0..t."""
-    t = torch.arange(S, device=device)[:, None]
-    win = t - torch.arange(window - 1, -1, -1, device=device)[None, :]
-    win = torch.where(win >= 0, win, -1).expand(B, S, window)
-    u = torch.rand(B, S, K - window, device=device, generator=generator)
-    rnd = (u * (t + 1)).long().clamp(max=S - 1)
-    return torch.cat([win, rnd], dim=-1).to(torch.int32)
 
 
 class ProgressBar:
@@ -109,7 +98,7 @@ def main(argv=None) -> list:
     amp = (torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda")
            else contextlib.nullcontext())
 
-    precision = "bf16 autocast, Triton kernels" if device.startswith("cuda") else "fp32, PyTorch reference"
+    precision = "bf16 autocast, GPU kernels" if device.startswith("cuda") else "fp32, PyTorch reference"
     print(f"device {device} ({precision}): dim={dim} H={H} D={D} B={B} S={S} K={K} "
           f"(window {W} + {K - W} random), AdamW lr={lr}, {args.steps} steps")
     bar = ProgressBar(args.steps)
@@ -117,7 +106,7 @@ def main(argv=None) -> list:
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
         x = torch.randn(B, S, dim, device=device, generator=gen)
-        idx = causal_topk_indices(B, S, K, W, device, gen)
+        idx = causal_indices((B, S), K, W, device=device, generator=gen)
         with amp:
             with torch.no_grad():
                 y_t = teacher(x, idx).float()
@@ -134,10 +123,42 @@ def main(argv=None) -> list:
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
     print(f"loss: first {k} steps {first:.4f} -> last {k} steps {last:.4f}  "
           f"({elapsed:.1f} s, {elapsed / max(1, len(losses)) * 1e3:.1f} ms/step)")
-    line_plot_png(args.out, [(losses, (170, 195, 235)), (smooth(losses, k // 2), (20, 60, 160))],
-                  log_y=True, title=f"sparse mla block: loss ({device})", legend=("loss", "smoothed"))
-    print(f"wrote {args.out}")
+    title = (f"SparseMLAAttention learning a teacher block\n"
+             f"{device} ({precision}): H={H}, D={D}, B={B}, S={S}, K={K}, AdamW lr={lr}")
+    if plot_loss(args.out, losses, smooth(losses, k // 2), title):
+        print(f"wrote {args.out}")
     return losses
+
+
+def plot_loss(path: str, losses: list, smoothed: list, title: str) -> bool:
+    """The loss curve as a PNG (log-scale loss against step); False, with a hint, without
+    matplotlib."""
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no display, no global state
+        from matplotlib.ticker import FuncFormatter
+    except ImportError:
+        print(f"matplotlib is not installed: no {path} (pip install dsv4_sparse_attn[plot] for the PNG)")
+        return False
+    steps = range(1, len(losses) + 1)
+    fig = Figure(figsize=(8, 4.8), layout="constrained")
+    ax = fig.subplots()
+    ax.plot(steps, losses, color="#a9c4eb", linewidth=1.0, label="loss per step")
+    ax.plot(steps, smoothed, color="#1f4e9c", linewidth=2.0, label="moving average")
+    ax.set_yscale("log")  # the loss falls over orders of magnitude
+    plain = FuncFormatter(lambda v, _: f"{v:g}")  # 0.5, 1, 2 rather than 5x10^-1
+    ax.yaxis.set_major_formatter(plain)
+    finite = [x for x in losses if x > 0 and math.isfinite(x)]
+    if finite and max(finite) / min(finite) < 100:  # under two decades: label the minor ticks too
+        ax.yaxis.set_minor_formatter(plain)
+        ax.tick_params(axis="y", which="minor", labelsize=8)
+    ax.set_xlabel("step", fontsize=11)
+    ax.set_ylabel("loss (MSE / teacher variance, log scale)", fontsize=11)
+    ax.set_title(title, fontsize=11)
+    ax.set_xlim(1, max(2, len(losses)))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=10)
+    fig.savefig(path, dpi=100)
+    return True
 
 
 if __name__ == "__main__":

@@ -1,25 +1,83 @@
-"""benchmarks/: the GPU scripts still import and parse their options on a CPU machine.
+"""benchmarks/: the scripts import, parse their options and, without a GPU, exit with a
+message rather than a traceback; they import nothing of the package but its public API.
 
 They only run on the GPU (one device session a day), so a renamed function or a broken
 import would otherwise surface there, costing device time.
 """
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["bench.py", "heads_sweep.py", "profile_bwd.py", "fsdp_step_time.py", "ab_backward.py", "power_probe.py",
-           "store_pattern.py"]
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+SCRIPTS = ["bench.py", "report.py", "heads_sweep.py", "profile_bwd.py", "sanitize_case.py",
+           "fsdp_step_time.py"]
+GPU_ONLY = ["bench.py", "heads_sweep.py", "profile_bwd.py", "sanitize_case.py"]
+# What the scripts may import: the standard library, torch, triton, matplotlib, each other,
+# and of the package its public modules (dispatch and Call: only to name the kernel that ran).
+PUBLIC = {"dsv4_sparse_attn", "dsv4_sparse_attn.testing", "dsv4_sparse_attn.kernels.dispatch",
+          "dsv4_sparse_attn.kernels.common"}
+THIRD_PARTY = {"torch", "triton", "matplotlib"}
+
+
+def run(script, *args):
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    return subprocess.run([sys.executable, os.path.join(BENCHMARKS, script), *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_no_other_scripts():
+    """A new script gets listed here (and so checked)."""
+    assert sorted(f for f in os.listdir(BENCHMARKS) if f.endswith(".py")) == sorted(SCRIPTS)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_script_starts(script):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.path.join(ROOT, "tests")]))
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--help"],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = run(script, "--help")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith("usage:"), r.stdout[:500]
+
+
+def _allowed(module: str, name: str | None) -> bool:
+    """Whether ``import module`` (name None) or ``from module import name`` keeps to the
+    package's public API."""
+    if name is None:
+        return module in PUBLIC
+    if module == "dsv4_sparse_attn":
+        import dsv4_sparse_attn
+        return name in dsv4_sparse_attn.__all__ or name in ("testing", "__version__")
+    return module in PUBLIC or f"{module}.{name}" in PUBLIC
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_imports_only_the_public_api(script):
+    tree = ast.parse(open(os.path.join(BENCHMARKS, script)).read())
+    siblings = {s[:-3] for s in SCRIPTS}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imports = [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            imports = [(node.module, a.name) for a in node.names]
+        else:
+            continue
+        for module, name in imports:
+            top = module.split(".")[0]
+            if top == "dsv4_sparse_attn":
+                assert _allowed(module, name), f"{script}: {module} {name}: benchmarks use the public API"
+            else:
+                assert (top in sys.stdlib_module_names or top in THIRD_PARTY or top in siblings
+                        or top == "cudnn_peer"), f"{script} imports {module}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+@pytest.mark.parametrize("script", GPU_ONLY)
+def test_without_a_gpu(script):
+    r = run(script)
+    assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr
