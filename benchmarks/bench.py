@@ -354,6 +354,10 @@ def sweep_row(T, H, K, ids, D, timing, peer=None, with_torch=True):
 
 # --------------------------------------------------------------------------- results
 def git_commit():
+    """(short commit, dirty?) of the checkout; BENCH_COMMIT names it where the checkout has
+    no history of its own (a copied working tree, as on a lent GPU machine)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"], False
     try:
         r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
                            timeout=10)

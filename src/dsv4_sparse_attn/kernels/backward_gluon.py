@@ -18,9 +18,9 @@ partitions of one warp group each:
   for its half of D, 64 columns at a time: P^T dO + dS^T Q (M = 64 slots, K = 64
   heads), each piece sent off while the next one's wgmma runs.
 
-The dKV rows go either (``RED``, the fast mode) straight into an fp32 [N + 1, D]
+The dKV rows go either (``RED``, the fast mode) straight into an fp32 [N, D]
 accumulator with 16-byte vector reductions, in the fake column order of
-``hopper.red_f32x4_fake`` (masked slots add to the spare row N), or (deterministic)
+``hopper.red_f32x4_fake`` (masked slots add nothing), or (deterministic)
 into per-(token, slot) partial rows that ``backward.py`` sums in a fixed order; with an
 even number of head blocks one partial row serves a pair of them (``_consume_tile``).
 Organisation and measurements: docs/design.md#backward-gluon-hopper-dkv-accumulation,
@@ -49,8 +49,8 @@ from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_
 NAME = "gluon_sm90"
 BLOCK_H = 64  # heads of a tile (fewer heads: the tile's other rows are masked)
 BLOCK_K = 64  # slots of a block: partial rows are padded to whole blocks
-ACC_FAKE_ORDER = True  # the fast mode's accumulator is in fake column order...
-ACC_SPARE_ROW = True  # ...with a row N that masked slots add to
+ACC_FAKE_ORDER = True  # the fast mode's accumulator is in fake column order
+ACC_SPARE_ROW = False
 
 # mbarrier slots
 _QD_READY = gl.constexpr(0)
@@ -143,10 +143,11 @@ def _dkv_piece(p_smem, ds_smem, do_smem, q_smem, quarter, hh: gl.constexpr, zero
 @gluon.jit
 def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr):
     """acc[slot, c] to row row_ptr[slot], column c: added to the fake-ordered fp32
-    accumulator (``RED``), or a partial row: stored, or (the follower of a head-block
-    pair) added once to the leader's."""
+    accumulator (``RED``; only the slots whose ``on`` is 1), or a partial row: stored, or
+    (the follower of a head-block pair) added once to the leader's."""
     if RED:
-        red_f32x4_fake(fake_group_base(row_ptr, offs_d), acc, gl.full(acc.shape, 1, gl.int32, acc.type.layout) * on)
+        red_f32x4_fake(fake_group_base(row_ptr, offs_d), acc,
+                       gl.full(acc.shape, 1, gl.int32, acc.type.layout) * on[:, None])
     else:
         ptrs = row_ptr[:, None] + offs_d[None, :]
         if follower:
@@ -219,9 +220,6 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, pid_c, pid_t, pid_h, n_h
     flag_ptr = FLAGS + 1 + (pid_c * n_part + part_h) * 2 + WG
     done_ptr = flag_ptr + n_tiles  # the follower's count of added blocks
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
-    # 1 at run time; the compiler cannot tell, so the reductions stay predicated (with
-    # plain ones ptxas serialises the wgmmas for lack of registers: tests/test_sm90_compile.py)
-    on = (pid_c >= 0).to(gl.int32)
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
     for j in range(0, nb):
@@ -277,8 +275,14 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, pid_c, pid_t, pid_h, n_h
             # mask into per-element 64-bit bounds, hoists them out of the loop and spills them)
             ids_k = load_ids(idx_row, j * _BK, K + z, offs_kz).to(gl.int64)
             valid_k = (ids_k >= 0) & (ids_k < N)
-            row_ptr = ACC + gl.where(valid_k, ids_k, N) * D  # masked slots add to the spare row N
+            # A masked slot adds nothing (its reductions are predicated off): no row is
+            # touched for it, so a NaN in an unselected row stays there. (Adding masked
+            # slots' zeros to a spare row instead made every masked slot of the grid
+            # contend for that one row: 46 ms instead of 8.7 at H128 K1152 with causal ids.)
+            row_ptr = ACC + gl.where(valid_k, ids_k, 0) * D
+            on = valid_k.to(gl.int32)
         else:
+            on = offs_kz  # (unused on this path)
             # (the buffer's slot dim is padded to whole blocks: stores need no mask)
             # (j ^ z == j, but not an induction variable: LLVM would otherwise strength-reduce
             # every store address into its own loop-carried pointer)
@@ -412,7 +416,7 @@ def flags_per_chunk(n_tok: int, n_hb: int) -> int:
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
-    [N + 1, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
+    [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
     ``flags``: ``flags_per_chunk`` int32 zeros."""
     T, H, D = q.shape

@@ -64,22 +64,24 @@ if gl is not None:
         ``pack=8`` hands one asm instance a thread's registers i..i+7, which the wgmma layout
         orders (r,c) (r,c+1) (r+8,c) (r+8,c+1) (r,c+8) (r,c+9) (r+8,c+8) (r+8,c+9), with
         c = 16g + 2l, l = lane % 4 (tests/test_sm90_compile.py checks the layout). $0-$7 are
-        dummy outputs, $8-$15 the group bases, $16-$23 the values, $24-$31 ``on`` (0 skips the
-        adds: ptxas keeps every wgmma in flight only when the reductions are predicated).
+        dummy outputs, $8-$15 the group bases, $16-$23 the values, $24-$31 ``on`` per element:
+        a row whose ``on`` is 0 (a masked slot) is not added at all. (The predicate also keeps
+        ptxas from serialising the wgmmas, which it did with unpredicated reductions.)
         """
         return gl.inline_asm_elementwise(
             """{
-            .reg .pred p;
+            .reg .pred p, p8;
             .reg .b32 l;
             .reg .b64 o, o8;
             setp.ne.b32 p, $24, 0;
+            setp.ne.b32 p8, $26, 0;
             mov.u32 l, %laneid;
             and.b32 l, l, 3;
             mul.wide.u32 o, l, 16;
             add.s64 o8, o, $10;
             add.s64 o, o, $8;
             @p red.relaxed.gpu.global.add.v4.f32 [o], {$16, $17, $20, $21};
-            @p red.relaxed.gpu.global.add.v4.f32 [o8], {$18, $19, $22, $23};
+            @p8 red.relaxed.gpu.global.add.v4.f32 [o8], {$18, $19, $22, $23};
             mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
             mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
             }""",
