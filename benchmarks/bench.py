@@ -205,7 +205,7 @@ def rejection(direction, name, q, deterministic=True):
 
 def attempt(fn):
     """fn()'s result, or {"error": ...} (a forced kernel that fails to build, out of memory):
-    one failure costs one figure, not the session's table."""
+    one failure costs one figure, not the whole table."""
     try:
         return fn()
     except Exception as e:  # noqa: BLE001

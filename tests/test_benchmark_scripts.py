@@ -1,7 +1,7 @@
 """benchmarks/: the scripts import, parse their options and, without a GPU, exit with a
 message rather than a traceback; they import nothing of the package but its public API.
 
-They only run on the GPU (one device session a day), so a renamed function or a broken
+They only run on the GPU, where runs are rare, so a renamed function or a broken
 import would otherwise surface there, costing device time.
 """
 from __future__ import annotations
