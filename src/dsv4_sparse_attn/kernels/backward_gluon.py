@@ -42,9 +42,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .common import KERNEL_DTYPES, cuda_properties
-from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, fake_group_base, gluon_unavailable, load_ids,
-                     not_sm90, red_f32x4_fake, thread_barrier)
+from .common import cuda_properties
+from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, fake_group_base,
+                     hopper_rejects, load_ids, red_f32x4_fake, thread_barrier)
 
 NAME = "gluon_sm90"
 BLOCK_H = 64  # heads of a tile (fewer heads: the tile's other rows are masked)
@@ -380,22 +380,13 @@ def _bwd_main_gluon_kernel(
 def rejects(call) -> str | None:
     """Why this kernel does not run the backward's main work for ``call`` (None: it does).
 
-    Its whole rule: a Triton with Gluon's Hopper API, an sm_90 GPU, bf16/fp16 and D = 512.
-    Any H, in both modes: below 64 heads a tile's other rows are masked, and the
+    Its whole rule: ``hopper.hopper_rejects`` (a Triton with Gluon's Hopper API, an sm_90
+    GPU, bf16/fp16 and D = 512), at any H, in both modes: below 64 heads a tile's other rows are masked, and the
     backward is bound by its dKV traffic, which does not depend on H (at H = 16, K = 1152
     it takes 20% less time than the Triton kernel in the fast mode and 11% less in the
     deterministic one: docs/performance/backward.md#small-head-counts).
     """
-    if gluon_unavailable():
-        return f"no Gluon in this Triton ({gluon_unavailable()})"
-    reason = not_sm90(call.device)
-    if reason:
-        return reason
-    if call.dtype not in KERNEL_DTYPES:
-        return f"dtype {call.dtype} (takes bfloat16 and float16)"
-    if call.D != 512:
-        return f"head dim D={call.D} (takes D = 512)"
-    return None
+    return hopper_rejects(call)
 
 
 def partial_slots(K: int) -> int:

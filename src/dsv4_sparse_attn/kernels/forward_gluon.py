@@ -36,9 +36,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .common import KERNEL_DTYPES, cuda_properties
+from .common import cuda_properties
 from .forward_triton import FWD_RUNTIME_INTS, prepare_forward
-from .hopper import MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, gluon_unavailable, load_ids, not_sm90
+from .hopper import MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, hopper_rejects, load_ids
 
 BLOCK_H = 64
 
@@ -340,18 +340,12 @@ MIN_HEADS = 17
 
 
 def rejects(call) -> str | None:
-    """Why this kernel does not run ``call``'s forward (None: it does). Its whole rule: a
-    Triton with Gluon's Hopper API, an sm_90 GPU, bf16/fp16, D = 512 and H >= MIN_HEADS
-    (fewer heads than a 64-row tile are masked rows)."""
-    if gluon_unavailable():
-        return f"no Gluon in this Triton ({gluon_unavailable()})"
-    reason = not_sm90(call.device)
+    """Why this kernel does not run ``call``'s forward (None: it does). Its whole rule:
+    ``hopper.hopper_rejects`` (a Triton with Gluon's Hopper API, an sm_90 GPU, bf16/fp16,
+    D = 512) and H >= MIN_HEADS (fewer heads than a 64-row tile are masked rows)."""
+    reason = hopper_rejects(call)
     if reason:
         return reason
-    if call.dtype not in KERNEL_DTYPES:
-        return f"dtype {call.dtype} (takes bfloat16 and float16)"
-    if call.D != 2 * _DH.value:
-        return f"head dim D={call.D} (takes D = 512)"
     if call.H < MIN_HEADS:
         return f"H={call.H} heads (takes H >= {MIN_HEADS}; below, the Triton kernel is faster)"
     return None

@@ -22,7 +22,7 @@ except ImportError as e:  # a Triton without Gluon's Hopper API
     gluon = gl = _cp = None
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
-from .common import cuda_properties
+from .common import KERNEL_DTYPES, cuda_properties
 
 # Warp specialisation: 3 partitions of one warp group each, under a register limit of
 # MAXNREG per thread at launch; setmaxnreg then gives each consumer warp group 232 and
@@ -104,6 +104,22 @@ def gluon_unavailable() -> str | None:
 def _capability(index: int):
     p = cuda_properties(torch.device("cuda", index))
     return p.major, p.minor
+
+
+def hopper_rejects(call) -> str | None:
+    """What both Gluon kernels require (None: ``call`` meets it): a Triton with Gluon's
+    Hopper API, an sm_90 GPU, bf16/fp16 and D = 512. Each kernel's ``rejects`` adds its own
+    head-count rule, if any."""
+    if gluon_unavailable():
+        return f"no Gluon in this Triton ({gluon_unavailable()})"
+    reason = not_sm90(call.device)
+    if reason:
+        return reason
+    if call.dtype not in KERNEL_DTYPES:
+        return f"dtype {call.dtype} (takes bfloat16 and float16)"
+    if call.D != 512:
+        return f"head dim D={call.D} (takes D = 512)"
+    return None
 
 
 def not_sm90(device: torch.device) -> str | None:
