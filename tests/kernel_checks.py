@@ -125,8 +125,8 @@ def check_backward(c: Case, device, deterministic=True, with_dlse=True, main=Non
         out = torch.stack([out, torch.full_like(out, 1e4)], 2).flatten(1, 2)[:, ::2]
         lse = torch.stack([lse, torch.full_like(lse, 1e4)], 2).flatten(1)[:, ::2]
     dq = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
-    gq, gkv, gs = kbwd.sparse_mla_bwd(do, dlse, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main or backward_triton,
-                                      deterministic=deterministic, grad_q=dq)
+    gq, gkv, gs = kbwd.sparse_mla_bwd(do, dlse, q, kv, out, lse, idx, sink, c.D ** -0.5,
+                                      main=main or backward_triton, deterministic=deterministic, grad_q=dq)
     rq, rkv, rs = oracle_bwd(do, dlse, q, kv, idx, sink)
     tol = TOL[c.dtype]
     errs = dict(dq=relerr(gq, rq), dkv=relerr(gkv, rkv))
@@ -140,4 +140,3 @@ def check_backward(c: Case, device, deterministic=True, with_dlse=True, main=Non
     if c.ids == "empty_rows":
         assert torch.all(gq[::2] == 0), "empty rows must give zero grad_q"
     return errs
-

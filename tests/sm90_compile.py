@@ -25,6 +25,7 @@ from triton.compiler import ASTSource
 class MeasureError(RuntimeError):
     """The compile check could not measure what it asserts on (a tool or a number missing)."""
 
+
 H200_SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -158,6 +159,7 @@ def wgmma_register_bases() -> list:
         raise MeasureError(f"no linear layout printed: {buf.getvalue()[:500]}")
     return eval(m.group(1))  # a list of [int, int] pairs
 
+
 FWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", SINK="*fp32", OUT="*bf16", LSE="*fp32",
                  scale_log2="fp32")
 FWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_ot", "stride_oh")
@@ -200,5 +202,5 @@ def compile_backward_gluon(red=False, run_ptxas=True) -> dict:
     from dsv4_sparse_attn.kernels import hopper
 
     consts = dict(D=512, RED=red)
-    return compile_sm90(G._bwd_main_gluon_kernel, BWD_TYPES, consts, hopper.NUM_WARPS, 1, BWD_DIV16, run_ptxas,
-                        maxnreg=hopper.MAXNREG)
+    return compile_sm90(G._bwd_main_gluon_kernel, BWD_TYPES, consts, hopper.NUM_WARPS, 1, BWD_DIV16,
+                        run_ptxas, maxnreg=hopper.MAXNREG)

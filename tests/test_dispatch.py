@@ -76,7 +76,8 @@ def test_backward_build_failure_falls_back_to_triton_once(every_kernel_takes, mo
     assert calls == ["gluon_sm90", "triton"] and "backward_gluon" in dispatch._broken
     assert _backward() == "triton" and calls == ["gluon_sm90", "triton", "triton"]  # Gluon not tried again
     q = _args()[0]
-    assert "failed to build" in dict((n, r) for n, m, r in dispatch.candidates("backward", Call.of(q)))["gluon_sm90"]
+    reasons = {n: r for n, m, r in dispatch.candidates("backward", Call.of(q))}
+    assert "failed to build" in reasons["gluon_sm90"]
 
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"),

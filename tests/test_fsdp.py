@@ -477,7 +477,7 @@ def test_fsdp2_nccl_two_processes(compile, monkeypatch):
         monkeypatch.setenv(k, v)  # before spawning: the children inherit the environment
     world_size, port = 2, _free_port()
     run_workers(_nccl_worker, (world_size, port, compile), world_size,
-                 TIMEOUT_COMPILE_S if compile else TIMEOUT_S, f"FSDP2 NCCL (compile={compile})")
+                TIMEOUT_COMPILE_S if compile else TIMEOUT_S, f"FSDP2 NCCL (compile={compile})")
 
 
 @pytest.mark.parametrize("backend", [

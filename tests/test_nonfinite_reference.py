@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import dsv4_sparse_attn
-from dsv4_sparse_attn import reference
 
 D, H = 16, 3
 

@@ -6,6 +6,7 @@ from triton.experimental.gluon import language as gl
 
 @gluon.jit
 def print_wgmma_layout():
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 64, 16])
     ll: gl.constexpr = gl.to_linear_layout(s_l, [64, 64])
     gl.static_print(ll)

@@ -11,8 +11,6 @@ MODE 0: per-(token, slot) partial rows (the deterministic path as shipped then);
 """
 from __future__ import annotations
 
-import os
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -28,7 +26,7 @@ from dsv4_sparse_attn.kernels.hopper import load_ids as _load_ids
 
 _MAIN_RUNTIME_INTS = ["T", "H", "N", "K", "t_begin", "stride_it", "stride_lt"]
 
-__all__ = ["launch_main", "pairs_head_blocks", "supported"]
+__all__ = ["launch_main"]
 
 NUM_WARPS = 4  # per partition; the kernel runs 3 partitions (12 warps)
 MAXNREG = 168  # 12 warps x 32 threads x 168 registers fit the 64K register file
@@ -98,8 +96,9 @@ def _producer(Q, DO, KV, IDX, H, N, K, t_begin, n_tiles, stride_qt, stride_qh, s
 
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, MODE: gl.constexpr):
-    (IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt, stride_gh, scale,
-     scale_log2, i64_scale, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, FLAGS, rank, paired) = args
+    (IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt,
+     stride_gh, scale, scale_log2, i64_scale, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, FLAGS,
+     rank, paired) = args
     n_hb = gl.cdiv(H, _BH)
     tcount = 0
     for tile in range(rank, n_tiles, gl.num_programs(0)):
@@ -205,9 +204,11 @@ def _store_piece(row_ptr, offs_d, acc, mask, follower, paired, i64_scale, on, MO
     if MODE == 1:
         gl.atomic_add(row_ptr[:, None] + offs_d[None, :], acc, mask=mask, sem="relaxed")
     elif MODE == 2 or MODE == 4:
-        _red_f32x4(_group_base(row_ptr, offs_d, 1), acc, gl.full(acc.shape, 1, gl.int32, acc.type.layout) * on)
+        _red_f32x4(_group_base(row_ptr, offs_d, 1), acc, gl.full(acc.shape, 1, gl.int32,
+                                                                 acc.type.layout) * on)
     elif MODE == 3:
-        _red_i64(_group_base(row_ptr, offs_d, 2), acc, gl.full(acc.shape, 1.0, gl.float32, acc.type.layout) * i64_scale)
+        _red_i64(_group_base(row_ptr, offs_d, 2), acc, gl.full(acc.shape, 1.0, gl.float32,
+                                                               acc.type.layout) * i64_scale)
     else:
         ptrs = row_ptr[:, None] + offs_d[None, :]
         if follower:
@@ -360,16 +361,20 @@ def _consume_tile(IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, stride_it, stride_
         if pace:  # no more than _LAG blocks ahead of the follower's adds
             while gl.atomic_add(done_ptr, 0, sem="relaxed", scope="gpu") < j - _LAG:
                 pass
-        _store_piece(row_ptr + (2 * WG * _QD) * (1 + (MODE == 3)), offs_dd, acc, mask, follower, paired, i64_scale, on, MODE)
+        _store_piece(row_ptr + (2 * WG * _QD) * (1 + (MODE == 3)), offs_dd, acc, mask, follower, paired,
+                     i64_scale, on, MODE)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + 1 + z, 0, dkv_zero)
-        _store_piece(row_ptr + (2 * WG * _QD + 64) * (1 + (MODE == 3)), offs_dd, acc, mask, follower, paired, i64_scale, on, MODE)
+        _store_piece(row_ptr + (2 * WG * _QD + 64) * (1 + (MODE == 3)), offs_dd, acc, mask, follower,
+                     paired, i64_scale, on, MODE)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + 1 + z, 1, dkv_zero)
-        _store_piece(row_ptr + ((2 * WG + 1) * _QD) * (1 + (MODE == 3)), offs_dd, acc, mask, follower, paired, i64_scale, on, MODE)
+        _store_piece(row_ptr + ((2 * WG + 1) * _QD) * (1 + (MODE == 3)), offs_dd, acc, mask, follower,
+                     paired, i64_scale, on, MODE)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         mbarrier.arrive(bars.index(_PDS_FREE))  # P and dS read for the last time
-        _store_piece(row_ptr + ((2 * WG + 1) * _QD + 64) * (1 + (MODE == 3)), offs_dd, acc, mask, follower, paired, i64_scale, on, MODE)
+        _store_piece(row_ptr + ((2 * WG + 1) * _QD + 64) * (1 + (MODE == 3)), offs_dd, acc, mask, follower,
+                     paired, i64_scale, on, MODE)
         if leader:  # publish: every thread's stores of this block, then the count (release)
             gl.thread_barrier()
             gl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
@@ -428,8 +433,8 @@ def _bwd_main_gluon_kernel(
     # even tile (the rank below) has started, so its wait always ends.
     rank = gl.atomic_add(FLAGS, 1, sem="relaxed")
     c_args = (IDX, LSE, DELTA, DQ, DKV, PARTIAL, H, N, K, t_begin, n_tiles, stride_it, stride_lt, stride_gt,
-              stride_gh, scale, scale_log2, i64_scale, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb, FLAGS,
-              rank, paired)
+              stride_gh, scale, scale_log2, i64_scale, q_smem, do_smem, kv_smem, p_smem, ds_smem, bars, nb,
+              FLAGS, rank, paired)
     p_args = (Q, DO, KV, IDX, H, N, K, t_begin, n_tiles, stride_qt, stride_qh, stride_dt, stride_dh,
               stride_kvn, stride_it, q_smem, do_smem, kv_smem, bars, nb, rank)
     gl.warp_specialize([(_producer, p_args), (_consumer, (c_args, 0, MODE)), (_consumer, (c_args, 1, MODE))],

@@ -1,7 +1,8 @@
 """How the backward's dKV accumulation should be done: the Gluon main kernel with each
 accumulation mode, timed next to cuDNN's backward, plus a reduction-throughput probe.
 
-    PYTHONPATH=src:benchmarks/experiments:/tmp/cudnn_site python benchmarks/experiments/dkv_modes_bench.py PEER_DIR
+    PYTHONPATH=src:benchmarks/experiments:/tmp/cudnn_site \
+        python benchmarks/experiments/dkv_modes_bench.py PEER_DIR
 
 Modes (bwd_dkv_modes.py): 1 fp32 atomics as shipped (8-byte reds), 2 16-byte fp32 reds in
 fake column order, 3 int64 fixed-point reds, 4 mode 2 with the reductions predicated off.
@@ -74,7 +75,8 @@ for T, H, K in [(4096, 64, 640), (4096, 128, 1152), (4096, 128, 512), (4096, 16,
     out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)
     fl = 10 * T * H * K * D
     r = dict(T=T, H=H, K=K)
-    ref = kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon, deterministic=True)
+    ref = kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon,
+                              deterministic=True)
     for det in (True, False):
         f = lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon,
                                         deterministic=det)
@@ -125,7 +127,7 @@ for T, H, K in [(4096, 64, 640), (4096, 128, 1152), (4096, 128, 512), (4096, 16,
             r[k.replace("_ms", "_tflops")] = round(fl / r[k] / 1e9, 1)
     rows.append(r)
     print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
-    del q, kv, idx, do, out, lse, ref
+    q = kv = idx = do = out = lse = ref = None  # free before the next shape
     torch.cuda.empty_cache()
 
 
@@ -166,5 +168,5 @@ print("| T | H | K | shipped det | shipped atomic | m1 f32x2 | m2 f32x4 | m3 i64
 print("|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     f = lambda k: f"{r.get(k + '_tflops', float('nan')):.0f}"
-    print(f"| {r['T']} | {r['H']} | {r['K']} | {f('shipped_det')} | {f('shipped_atomic')} | {f('m1')} | {f('m2')} "
-          f"| {f('m3')} | {f('m4')} | {f('cudnn')} |")
+    print(f"| {r['T']} | {r['H']} | {r['K']} | {f('shipped_det')} | {f('shipped_atomic')} | {f('m1')} "
+          f"| {f('m2')} | {f('m3')} | {f('m4')} | {f('cudnn')} |")

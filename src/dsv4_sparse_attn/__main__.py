@@ -31,11 +31,13 @@ def report(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
     ]
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
-        lines.append(f"device {device}: {p.name}, compute capability {p.major}.{p.minor}, {p.multi_processor_count} SMs")
+        lines.append(f"device {device}: {p.name}, compute capability {p.major}.{p.minor}, "
+                     f"{p.multi_processor_count} SMs")
     else:
         lines.append("device cpu: every op runs the exact PyTorch reference (the CUDA kernels need a GPU)")
         return "\n".join(lines)
-    lines.append(f"\nkernels for {str(dtype).replace('torch.', '')} inputs (first that takes the call runs it):")
+    dtype_name = str(dtype).replace("torch.", "")
+    lines.append(f"\nkernels for {dtype_name} inputs (first that takes the call runs it):")
     lines.append(f"{'op':<22} {'D':>4} {'H':>6}  kernel       why not the ones before it")
     for op, direction, det in (("sparse_mla_fwd", "forward", True),
                                ("sparse_mla_bwd fast", "backward", False),

@@ -63,7 +63,8 @@ def deepseek_indices(T: int, K: int, *, window: int = 128, n_pool: Optional[int]
         ids = torch.randint(0, max(n_pool, 1), (T, rest), device=device, generator=generator)
     elif pool in ("distinct", "causal"):
         if n_pool < rest and pool == "distinct":
-            raise ValueError(f"deepseek_indices: {rest} distinct pool ids need n_pool >= {rest}, got {n_pool}")
+            raise ValueError(f"deepseek_indices: {rest} distinct pool ids need n_pool >= {rest}, "
+                             f"got {n_pool}")
         width = max(n_pool, rest)
         ids = torch.empty((T, rest), dtype=torch.long, device=device)
         step = max(1, 2**25 // width)  # tokens per chunk: a [step, width] sort key at a time
@@ -99,13 +100,15 @@ def causal_indices(shape: Sequence[int], K: int, window: int, *, device="cpu", d
     return torch.cat([win, rnd], dim=-1).to(dtype)
 
 
-def oracle_fwd(q: Tensor, kv: Tensor, indices: Tensor, attn_sink: Optional[Tensor], scale: Optional[float] = None):
+def oracle_fwd(q: Tensor, kv: Tensor, indices: Tensor, attn_sink: Optional[Tensor],
+               scale: Optional[float] = None):
     """The exact reference in float64 on the CPU (inputs upcast): (out, lse)."""
     D = q.shape[-1]
     scale = D ** -0.5 if scale is None else scale
     kv2 = kv if kv.dim() == 2 else kv[:, 0]
     s = None if attn_sink is None else attn_sink.detach().double().cpu()
-    return reference.sparse_mla_fwd(q.detach().double().cpu(), kv2.detach().double().cpu(), indices.cpu(), s, scale)
+    return reference.sparse_mla_fwd(q.detach().double().cpu(), kv2.detach().double().cpu(), indices.cpu(),
+                                    s, scale)
 
 
 def oracle_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, kv: Tensor, indices: Tensor,
@@ -119,5 +122,5 @@ def oracle_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, kv: Tens
     s = None if attn_sink is None else attn_sink.detach().double().cpu()
     out, lse = reference.sparse_mla_fwd(q64, kv64, indices.cpu(), s, scale)
     dl = None if grad_lse is None else grad_lse.detach().double().cpu()
-    return reference.sparse_mla_bwd(grad_out.detach().double().cpu(), dl, q64, kv64, out, lse, indices.cpu(), s,
-                                    scale)
+    return reference.sparse_mla_bwd(grad_out.detach().double().cpu(), dl, q64, kv64, out, lse,
+                                    indices.cpu(), s, scale)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, cuda_properties, interpreting, last_dim_contiguous, next_pow2
+from .common import LOG2E, cuda_properties, last_dim_contiguous, next_pow2
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
 # of the backward is this plus O(T*H + N*D) fp32): under the 1 GiB the backward may

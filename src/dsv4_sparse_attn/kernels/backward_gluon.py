@@ -125,8 +125,8 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr):
     for tile in range(rank, n_tiles, gl.num_programs(0)):
         pid_c = (tile // n_hb).to(gl.int64)  # token within the chunk
         pid_h = tile % n_hb
-        _consume_tile(io, sizes, strides, smem, scales, nb, pid_c, t_begin + pid_c, pid_h, n_hb, tcount, paired,
-                      n_tiles, rank, WG, RED)
+        _consume_tile(io, sizes, strides, smem, scales, nb, pid_c, t_begin + pid_c, pid_h, n_hb, tcount,
+                      paired, n_tiles, rank, WG, RED)
         tcount += 1
 
 
@@ -159,8 +159,8 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr):
 
 
 @gluon.jit
-def _consume_tile(io, sizes, strides, smem, scales, nb, pid_c, pid_t, pid_h, n_hb, tcount, paired, n_tiles, rank,
-                  WG: gl.constexpr, RED: gl.constexpr):
+def _consume_tile(io, sizes, strides, smem, scales, nb, pid_c, pid_t, pid_h, n_hb, tcount, paired, n_tiles,
+                  rank, WG: gl.constexpr, RED: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1)."""
     IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS = io
     H, N, K = sizes
@@ -366,9 +366,9 @@ def _bwd_main_gluon_kernel(
     # even tile (the rank below) has started, so its wait always ends.
     rank = gl.atomic_add(FLAGS, 1, sem="relaxed")
     sizes = (H, N, K)
-    c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS), sizes, (stride_it, stride_lt, stride_gt, stride_gh),
-              (q_smem, do_smem, kv_smem, p_smem, ds_smem, bars), (scale, scale_log2), t_begin, n_tiles, nb, rank,
-              paired)
+    c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS), sizes,
+              (stride_it, stride_lt, stride_gt, stride_gh), (q_smem, do_smem, kv_smem, p_smem, ds_smem, bars),
+              (scale, scale_log2), t_begin, n_tiles, nb, rank, paired)
     p_args = ((Q, DO, KV, IDX), sizes, (stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it),
               (q_smem, do_smem, kv_smem, bars), t_begin, n_tiles, nb, rank)
     # The producer is the default partition (ptxas compiles it under MAXNREG; the
@@ -381,8 +381,9 @@ def rejects(call) -> str | None:
     """Why this kernel does not run the backward's main work for ``call`` (None: it does).
 
     Its whole rule: ``hopper.hopper_rejects`` (a Triton with Gluon's Hopper API, an sm_90
-    GPU, bf16/fp16 and D = 512), at any H, in both modes: below 64 heads a tile's other rows are masked, and the
-    backward is bound by its dKV traffic, which does not depend on H (at H = 16, K = 1152
+    GPU, bf16/fp16 and D = 512), at any H, in both modes: below 64 heads a tile's other
+    rows are masked, and the backward is bound by its dKV traffic, which does not depend
+    on H (at H = 16, K = 1152
     it takes 20% less time than the Triton kernel in the fast mode and 11% less in the
     deterministic one: docs/performance/backward.md#small-head-counts).
     """

@@ -122,8 +122,8 @@ def _choose(direction: str, call: Call, forced: Optional[str]):
         for name, mod, reason in rows:
             if name == forced:
                 if reason:
-                    raise ValueError(f"dsv4.sparse_mla ({direction}): the {name} kernel does not take this call: "
-                                     f"{reason}")
+                    raise ValueError(f"dsv4.sparse_mla ({direction}): the {name} kernel does not take "
+                                     f"this call: {reason}")
                 return name, mod
     name, mod, _ = next(r for r in rows if r[2] is None)
     if mod is None:
@@ -156,7 +156,8 @@ def _run(direction: str, call: Call, run_kernel, run_reference):
             mod_name = next(m for m in CANDIDATES[direction] if _NAMES[m] == name)
             _broken[mod_name] = (f"failed to build with Triton {triton.__version__} "
                                  f"({type(e).__name__}: {str(e)[:200]})")
-            warn_once(f"gluon-build-{mod_name}", f"dsv4.sparse_mla ({direction}): the Gluon kernel {mod_name} "
+            warn_once(f"gluon-build-{mod_name}",
+                      f"dsv4.sparse_mla ({direction}): the Gluon kernel {mod_name} "
                       f"{_broken[mod_name]}; using the next kernel for the rest of the process.")
 
 

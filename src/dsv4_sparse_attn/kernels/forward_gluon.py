@@ -323,7 +323,8 @@ def _sparse_mla_fwd_gluon_kernel(
     sizes = (T, H, N, K)
     c_args = ((IDX, SINK, OUT, LSE), sizes, (stride_it, stride_ot, stride_oh, stride_lt),
               (q_smem, kv_smem, p_smem, m_smem, l_smem, bars), n_pairs, scale_log2)
-    p_args = ((Q, KV, IDX), sizes, (stride_qt, stride_qh, stride_kvn, stride_it), (q_smem, kv_smem, bars), n_pairs)
+    p_args = ((Q, KV, IDX), sizes, (stride_qt, stride_qh, stride_kvn, stride_it), (q_smem, kv_smem, bars),
+              n_pairs)
     # The producer is the default partition: ptxas compiles it under the kernel's
     # register limit (MAXNREG), the consumers under their own (setmaxnreg).
     gl.warp_specialize([(_producer, p_args), (_consumer, (c_args, 0, HAS_SINK)),

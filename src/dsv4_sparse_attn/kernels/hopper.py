@@ -132,5 +132,3 @@ def not_sm90(device: torch.device) -> str | None:
     if cc != (9, 0):
         return f"compute capability {cc[0]}.{cc[1]} (the Gluon kernels need sm_90, H100/H200)"
     return None
-
-
