@@ -159,8 +159,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
 
     if grad_q is None:  # tests pass a poisoned buffer to catch unwritten elements
         grad_q = torch.empty((T, H, D), dtype=q.dtype, device=dev)
-    spare = 1 if (main.ACC_SPARE_ROW and not deterministic) else 0
-    acc = torch.zeros((N + spare, D), dtype=torch.float32, device=dev)
+    acc = torch.zeros((N, D), dtype=torch.float32, device=dev)
     delta = torch.empty((T, H), dtype=torch.float32, device=dev)
     if T > 0:
         dh = min(next_pow2(H), max(1, 8192 // D))

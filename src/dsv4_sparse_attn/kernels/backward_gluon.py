@@ -50,7 +50,6 @@ NAME = "gluon_sm90"
 BLOCK_H = 64  # heads of a tile (fewer heads: the tile's other rows are masked)
 BLOCK_K = 64  # slots of a block: partial rows are padded to whole blocks
 ACC_FAKE_ORDER = True  # the fast mode's accumulator is in fake column order
-ACC_SPARE_ROW = False
 
 # mbarrier slots
 _QD_READY = gl.constexpr(0)

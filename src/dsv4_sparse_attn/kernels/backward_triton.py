@@ -23,7 +23,6 @@ from .common import head_block, interpreting, load_tile, slot_rows, triton_rejec
 
 NAME = "triton"
 ACC_FAKE_ORDER = False  # the fast mode's accumulator is [N, D] in natural column order
-ACC_SPARE_ROW = False  # (masked slots are masked off)
 
 
 # As in the forward: sizes and the index/lse strides are runtime values; the row
