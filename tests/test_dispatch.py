@@ -21,7 +21,7 @@ from dsv4_sparse_attn.kernels import (backward_gluon, backward_triton, common, d
                                       forward_triton)
 from dsv4_sparse_attn.kernels.common import Call
 
-P = SimpleNamespace(D=512, H=64, scale=512 ** -0.5)
+P = SimpleNamespace(T=2, H=64, D=512, N=3, K=4, scale=512 ** -0.5)  # the sizes of _args()
 
 
 def _args():
@@ -196,3 +196,23 @@ def test_python_m_report_runs_on_cpu(capsys):
     out = capsys.readouterr().out
     assert "torch " + torch.__version__ in out and "triton " + triton.__version__ in out
     assert "reference" in out
+
+
+@pytest.mark.parametrize("empty", ["T", "H", "K", "N"])
+def test_calls_with_no_work_launch_no_kernel(every_kernel_takes, monkeypatch, empty):
+    """T, H, K or N = 0: the reference's constants, no kernel launched (the Gluon kernels'
+    persistent grids and the deterministic reduction have nothing to do)."""
+    calls = _stub_backward(monkeypatch, None)
+    sizes = dict(T=2, H=P.H, N=3, K=4)
+    sizes[empty] = 0
+    q = torch.randn(sizes["T"], sizes["H"], P.D, dtype=torch.bfloat16)
+    kv = torch.randn(sizes["N"], P.D, dtype=torch.bfloat16)
+    idx = torch.zeros(sizes["T"], sizes["K"], dtype=torch.int32)
+    sink = torch.randn(sizes["H"])
+    p = SimpleNamespace(**sizes, D=P.D, scale=P.scale)
+    out, lse = dispatch.forward(q, kv, idx, sink, p)
+    assert torch.equal(out, torch.zeros_like(out))
+    if empty in ("K", "N"):
+        assert torch.equal(lse, sink.expand_as(lse))
+    grads = dispatch.backward(torch.randn_like(out), None, q, kv, out, lse, idx, sink, p)
+    assert [g.shape for g in grads[:2]] == [q.shape, kv.shape] and calls == []

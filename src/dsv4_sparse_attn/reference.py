@@ -8,7 +8,9 @@ Math (docs/design.md#the-operation), per token t and head h over the valid slots
     s_j = scale * <q, kv[idx_j]>,  lse = log(sum_j exp(s_j) + exp(sink)),
     p_j = exp(s_j - lse),          o   = sum_j p_j kv[idx_j]
 Ids < 0 or >= N are masked. A row with no valid slot gives o = 0 and lse = sink
-(or -inf without a sink).
+(or -inf without a sink). Non-finite values follow IEEE arithmetic of these formulas over
+all K slots, a masked slot's row being zero and its score -inf: a NaN sink makes its head's
+o and lse NaN, a +inf sink gives o = 0 and lse = +inf (docs/design.md#non-finite-values).
 """
 from __future__ import annotations
 
@@ -87,7 +89,10 @@ def sparse_mla_fwd(
         else:
             lse_c = torch.full((t1 - t0, H), float("-inf"), dtype=s.dtype, device=q.device)
         p = _probs(s, lse_c)
-        out[t0:t1] = torch.einsum("thk,tkd->thd", p, rows).to(q.dtype)
+        o = torch.einsum("thk,tkd->thd", p, rows)
+        # A NaN lse (a NaN sink or score) makes the head's out NaN even with no slot (K = 0).
+        o = torch.where(torch.isnan(lse_c)[..., None], torch.full((), float("nan"), dtype=o.dtype), o)
+        out[t0:t1] = o.to(q.dtype)
         lse[t0:t1] = lse_c
     return out, lse
 
@@ -127,7 +132,7 @@ def sparse_mla_bwd(
         drows += torch.einsum("thk,thd->tkd", p, do)
         drows = torch.where(valid[..., None], drows, torch.zeros((), dtype=acc, device=q.device))
         if N > 0:
-            grad_kv.index_add_(0, safe.reshape(-1), drows.reshape(-1, D))
+            grad_kv.index_add_(0, safe.reshape(-1), drows.reshape(safe.numel(), D))
         if attn_sink is not None:
             grad_sink -= (torch.exp(attn_sink.to(acc)[None, :] - lse_c) * delta).sum(0)
     if attn_sink is None:

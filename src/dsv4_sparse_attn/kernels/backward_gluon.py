@@ -182,8 +182,9 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, pid_c, pid_t, pid_h, n_h
     h_row = pid_h * _BH + gl.arange(0, _BH, layout=row_l)
     h_ok = h_row < H
     lse = gl.load(LSE + pid_t * stride_lt + h_row, mask=h_ok, other=float("-inf"))
-    # Rows with lse = -inf (no valid slot, no sink) and padding heads have P = 0.
-    row_ok = h_ok & (lse > float("-inf"))
+    # Rows with lse = -inf (no valid slot, no sink) and padding heads have P = 0; a NaN
+    # lse (a NaN sink) gives NaN P, as in the reference (docs/design.md#non-finite-values).
+    row_ok = h_ok & (lse != float("-inf"))
     lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
     delta = gl.load(DELTA + pid_t * H + h_row, mask=h_ok, other=0.0)
     offs_c = gl.arange(0, _BK, layout=col_l)

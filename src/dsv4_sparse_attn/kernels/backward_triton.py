@@ -82,8 +82,9 @@ def _bwd_main_kernel(
     do2 = load_tile(do_ptr + 2 * QD, hm, DOT_FP32)
     do3 = load_tile(do_ptr + 3 * QD, hm, DOT_FP32)
     lse = tl.load(LSE + pid_t * stride_lt + offs_h, mask=h_mask, other=float("inf"))
-    # Rows with lse = -inf (no valid slot, no sink) have P = 0 everywhere.
-    row_ok = h_mask & (lse > float("-inf"))
+    # Rows with lse = -inf (no valid slot, no sink) have P = 0 everywhere; a NaN lse
+    # (a NaN sink) gives NaN P, as in the reference (docs/design.md#non-finite-values).
+    row_ok = h_mask & (lse != float("-inf"))
     lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
     delta = tl.load(DELTA + pid_t * H + offs_h, mask=h_mask, other=0.0)
 

@@ -116,3 +116,32 @@ def load_tile(ptr, mask, DOT_FP32: tl.constexpr):
     if DOT_FP32:
         x = x.to(tl.float32)
     return x
+
+
+@triton.jit
+def finish_softmax(m, l_sum, sink2, HAS_SINK: tl.constexpr):
+    """(w, lse) of the forward's rows from the running max ``m`` and sum ``l_sum`` of exp2
+    (base 2) and the sink ``sink2`` (base 2): out = acc * w, lse in natural log.
+
+    IEEE semantics of lse = log(sum_j exp(s_j) + exp(sink)) (docs/design.md#non-finite-values):
+    an empty row gives w = 0 and lse = sink (or -inf); a NaN anywhere in the row (a NaN
+    sink, a NaN score) gives w and lse NaN, never "empty"; a +inf sink takes all the weight:
+    w = 0, lse = +inf; a -inf sink is no sink. hopper.finish_softmax is the same in Gluon.
+    """
+    if HAS_SINK:
+        m_f = tl.maximum(m, sink2)
+        m_s = tl.where(m_f == float("-inf"), 0.0, m_f)
+        rescale = tl.exp2(m - m_s)
+        l_f = l_sum * rescale + tl.exp2(sink2 - m_s)
+    else:
+        m_s = m
+        rescale = 1.0
+        l_f = l_sum
+    empty = l_f == 0.0
+    l_safe = tl.where(empty, 1.0, l_f)
+    w = tl.where(empty, 0.0, rescale / l_safe)
+    lse = tl.where(empty, float("-inf"), (m_s + tl.log2(l_safe)) * 0.6931471805599453)
+    if HAS_SINK:
+        w = tl.where(sink2 == float("inf"), 0.0, w)
+        lse = tl.where(sink2 == float("inf"), float("inf"), lse)
+    return w, lse

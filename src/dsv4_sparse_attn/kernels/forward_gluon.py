@@ -38,7 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .common import cuda_properties
 from .forward_triton import FWD_RUNTIME_INTS, prepare_forward
-from .hopper import MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, hopper_rejects, load_ids
+from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, finish_softmax,
+                     hopper_rejects, load_ids)
 
 BLOCK_H = 64
 
@@ -250,19 +251,11 @@ def _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, t
     h_row = pid_h * BH + gl.arange(0, BH, layout=row_l)
     h_mask = h_row < H
     if HAS_SINK:
-        sink = gl.load(SINK + h_row, mask=h_mask, other=0.0) * 1.4426950408889634
-        m_f = gl.maximum(m_cur, sink)
-        rescale = gl.exp2(m_cur - m_f)
-        l_f = l_tot * rescale + gl.exp2(sink - m_f)
+        sink2 = gl.load(SINK + h_row, mask=h_mask, other=0.0) * 1.4426950408889634
     else:
-        m_f = m_cur
-        rescale = gl.full([BH], 1.0, gl.float32, layout=row_l)
-        l_f = l_tot
-    nonempty = l_f > 0.0
-    w = gl.where(nonempty, rescale / gl.where(nonempty, l_f, 1.0), 0.0)
+        sink2 = m_cur  # unused
+    w, lse = finish_softmax(m_cur, l_tot, sink2, HAS_SINK)
     if WG == 0:
-        lse = gl.where(nonempty, (m_f + gl.log2(gl.where(nonempty, l_f, 1.0))) * 0.6931471805599453,
-                       float("-inf"))
         gl.store(LSE + pid_t * stride_lt + h_row, lse, mask=h_mask)
 
     out = (acc * gl.convert_layout(w, orow_l)[:, None]).to(dtype)

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, head_block, interpreting, last_dim_contiguous, load_tile, slot_rows, triton_rejects
+from .common import (LOG2E, finish_softmax, head_block, interpreting, last_dim_contiguous, load_tile,
+                     slot_rows, triton_rejects)
 
 # Values that change from call to call (sequence length, top-k, pool size) are never
 # specialised; the row strides of q, kv and out (multiples of D in practice) are, so
@@ -77,19 +78,10 @@ def _sparse_mla_fwd_kernel(
         m_i = m_new
 
     if HAS_SINK:
-        sink = tl.load(SINK + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
-        m_f = tl.maximum(m_i, sink)
-        rescale = tl.exp2(m_i - m_f)
-        l_f = l_i * rescale + tl.exp2(sink - m_f)
+        sink2 = tl.load(SINK + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
     else:
-        m_f = m_i
-        rescale = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
-        l_f = l_i
-    # Empty row without sink: l_f == 0 -> out 0 and lse -inf, never NaN.
-    nonempty = l_f > 0.0
-    w = tl.where(nonempty, rescale / tl.where(nonempty, l_f, 1.0), 0.0)
-    lse = tl.where(nonempty, (m_f + tl.log2(tl.where(nonempty, l_f, 1.0))) * 0.6931471805599453,
-                   float("-inf"))
+        sink2 = m_i  # unused
+    w, lse = finish_softmax(m_i, l_i, sink2, HAS_SINK)
 
     o_ptr = OUT + pid_t * stride_ot + offs_h[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
     tl.store(o_ptr, (acc0 * w[:, None]).to(OUT.dtype.element_ty), mask=h_mask[:, None])

@@ -41,6 +41,28 @@ if gl is not None:
     thread_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
     @gluon.jit
+    def finish_softmax(m, l_sum, sink2, HAS_SINK: gl.constexpr):
+        """common.finish_softmax in Gluon: (w, lse) of a row, IEEE semantics for
+        non-finite sinks and scores (docs/design.md#non-finite-values)."""
+        if HAS_SINK:
+            m_f = gl.maximum(m, sink2)
+            m_s = gl.where(m_f == float("-inf"), 0.0, m_f)
+            rescale = gl.exp2(m - m_s)
+            l_f = l_sum * rescale + gl.exp2(sink2 - m_s)
+        else:
+            m_s = m
+            rescale = 1.0
+            l_f = l_sum
+        empty = l_f == 0.0
+        l_safe = gl.where(empty, 1.0, l_f)
+        w = gl.where(empty, 0.0, rescale / l_safe)
+        lse = gl.where(empty, float("-inf"), (m_s + gl.log2(l_safe)) * 0.6931471805599453)
+        if HAS_SINK:
+            w = gl.where(sink2 == float("inf"), 0.0, w)
+            lse = gl.where(sink2 == float("inf"), float("inf"), lse)
+        return w, lse
+
+    @gluon.jit
     def load_ids(idx_row, k0, K, offs):
         """Ids of slots k0 + offs (-1 past K), in the layout of ``offs``."""
         offs_k = k0 + offs
