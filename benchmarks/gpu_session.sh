@@ -4,6 +4,10 @@
 #   bash benchmarks/gpu_session.sh bench   # compute-sanitizer memcheck, benchmark table, report
 #   bash benchmarks/gpu_session.sh sweep   # backward side by side (with cuDNN if CUDNN_DIR
 #                                          # holds cudnn_peer.py; default .peers/cudnn_dsa), report
+#   bash benchmarks/gpu_session.sh properties  # tests/test_properties_gpu.py with 2x the examples
+#                                          # (hypothesis from .peers/wheels when not installed)
+#   bash benchmarks/gpu_session.sh sanitize-properties  # its first examples under compute-sanitizer
+#                                          # initcheck and memcheck; sanitize_case.py under initcheck
 #   bash benchmarks/gpu_session.sh triton-next  # GPU kernel tests and a quick bench under the
 #                                          # Triton unpacked from .t39/triton*.tar.xz (a stripped
 #                                          # cp312 wheel: docs/performance/method.md#another-triton)
@@ -59,6 +63,35 @@ sweep)
     | tee "$OUT/bench_sweep.log" | grep -v '^{'
   report
   ;;
+properties)
+  python3 -c "import hypothesis" 2>/dev/null || \
+    python3 -m pip install -q --no-index --find-links .peers/wheels hypothesis 2>&1 | tail -2
+  export DSV4_PROPERTY_LOG=$OUT/property_examples.log
+  DSV4_PROPERTY_SCALE=${PROPERTY_SCALE:-2} timeout 240 python3 -m pytest -q -rs -n 8 -p no:cacheprovider \
+    tests/test_properties_gpu.py --hypothesis-show-statistics -W ignore::UserWarning 2>&1 \
+    | grep -v -i "benchmark" | tee "$OUT/properties_gpu.log" | grep -E "passing|passed|failed|Error" | tail -12
+  ;;
+sanitize-properties)
+  python3 -c "import hypothesis" 2>/dev/null || \
+    python3 -m pip install -q --no-index --find-links .peers/wheels hypothesis 2>&1 | tail -2
+  # The first examples of tests/test_properties_gpu.py under compute-sanitizer initcheck and
+  # memcheck. Compiling under the sanitizer is very slow, so a plain run of the same
+  # examples fills the kernel cache first. No caching allocator: initcheck then sees each
+  # tensor's own allocation. (Every xdist worker process is followed.)
+  export DSV4_PROPERTY_SCALE=${SANITIZER_SCALE:-0.2} DSV4_PROPERTY_LOG=$OUT/sanitized_examples.log
+  timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_properties_gpu.py 2>&1 | tail -2
+  for tool in initcheck memcheck; do
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $([ $tool = initcheck ] && echo 150 || echo 120) compute-sanitizer --tool $tool --error-exitcode 9 \
+      python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_properties_gpu.py --hypothesis-show-statistics \
+      -W ignore::UserWarning 2>&1 | grep -v -i benchmark > "$OUT/sanitizer_properties_$tool.log"
+    echo "compute-sanitizer $tool: exit ${PIPESTATUS[0]}" | tee -a "$OUT/sanitizer_properties_$tool.log"
+    grep -E "ERROR SUMMARY|passing|passed|failed" "$OUT/sanitizer_properties_$tool.log" | sort | uniq -c | tail -6
+  done
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 90 compute-sanitizer --tool initcheck --error-exitcode 9 \
+    python3 benchmarks/sanitize_case.py > "$OUT/sanitizer_case_initcheck.log" 2>&1
+  echo "compute-sanitizer initcheck sanitize_case.py: exit $?" | tee -a "$OUT/sanitizer_case_initcheck.log"
+  tail -3 "$OUT/sanitizer_case_initcheck.log"
+  ;;
 triton-next)
   tarball=$(ls .t39/triton*.tar.xz 2>/dev/null | head -1)
   [ -n "$tarball" ] || { echo "no .t39/triton*.tar.xz"; exit 2; }
@@ -71,6 +104,6 @@ triton-next)
     | grep -v '^{' | tail -12 | tee -a "$OUT/triton_next.log"
   ;;
 *)
-  echo "usage: bash benchmarks/gpu_session.sh tests|bench|sweep|triton-next" >&2; exit 2
+  echo "usage: bash benchmarks/gpu_session.sh tests|bench|sweep|properties|sanitize-properties|triton-next" >&2; exit 2
   ;;
 esac
