@@ -12,7 +12,8 @@ The matrix: sparse_mla and sparse_mla_fwd with and without sink, with and withou
 requires_grad on q / kv / sink; sparse_mla_bwd (inputs never require grad: its autograd
 raises for double backward by design) with grad_lse None or given; dtypes float32,
 bfloat16 and float16; several shapes (K not a power of two, H = 1, K = 1, kv as [N, 1, D]);
-int32 and int64 indices (with masked, out-of-range and duplicated ids); scale None or given.
+int32 and int64 indices (with masked, out-of-range and duplicated ids); scale None or given;
+topk_length (values past K and negative) and d_v < D on all three ops.
 """
 from __future__ import annotations
 
@@ -143,6 +144,26 @@ def samples(device: str = "cpu") -> List[Sample]:
         do = torch.randn(o.shape, generator=gen).to(dtype).to(device)
         dlse = torch.randn(lse.shape, generator=gen).to(device) if with_dlse else None
         out.append(Sample(name, "sparse_mla_bwd", (do, dlse, q, kv, o, lse, idx, s, scale)))
+
+    # per-token lengths (some past K, some negative) and values narrower than keys (d_v < D)
+    for op, dtype, (with_len, d_v) in itertools.product(
+        ("sparse_mla", "sparse_mla_fwd", "sparse_mla_bwd"), (torch.float32, torch.bfloat16),
+        ((True, None), (False, 12), (True, 12)),
+    ):
+        name = f"{op}-{_dtype_name(dtype)}-len{int(with_len)}-dv{d_v}"
+        gen = gen_for(name)
+        T, K = 5, 6
+        q, kv, idx, s = _forward_inputs((T, 3, 16, 9, K), dtype, True, torch.int32, False, device, gen)
+        length = torch.tensor([0, 3, K, K + 4, -1], dtype=torch.int32, device=device) if with_len else None
+        if op == "sparse_mla_bwd":
+            o, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, s, None, length, d_v)
+            do = torch.randn(o.shape, generator=gen).to(dtype).to(device)
+            dlse = torch.randn(lse.shape, generator=gen).to(device)
+            out.append(Sample(name, op, (do, dlse, q, kv, o, lse, idx, s, None, length, d_v)))
+        else:
+            for x in (q, kv, s):
+                x.requires_grad_(True)
+            out.append(Sample(name, op, (q, kv, idx, s, None, length, d_v)))
     return out
 
 

@@ -61,24 +61,30 @@ class Problem:
     # uses it must be non-finite, but whether NaN or inf depends on the order of operations
     # (an online softmax meets inf - inf where the oracle's two passes do not).
     exact: bool = True
+    topk_length: Optional[Tensor] = None  # int32 [T]
+    d_v: Optional[int] = None
 
     def __repr__(self):
         T, H, D = self.q.shape
         return (f"Problem(T={T}, H={H}, D={D}, N={self.kv.shape[0]}, K={self.idx.shape[1]}, "
-                f"{self.q.dtype}, {self.idx.dtype}, scale={self.scale}, {self.note})")
+                f"{self.q.dtype}, {self.idx.dtype}, scale={self.scale}, d_v={self.d_v}, "
+                f"topk_length={None if self.topk_length is None else self.topk_length.tolist()}, "
+                f"{self.note})")
 
     def to(self, device) -> "Problem":
         mv = (lambda x: None if x is None else x.to(device))
         return Problem(mv(self.q), mv(self.kv), mv(self.idx), mv(self.sink), self.scale, mv(self.grad_out),
-                       mv(self.grad_lse), self.note, self.exact)
+                       mv(self.grad_lse), self.note, self.exact, mv(self.topk_length), self.d_v)
 
 
 @st.composite
 def problems(draw, *, D=(0, 1, 2, 3, 8), H=(0, 4), T=(0, 5), K=(0, 9), N=(0, 8),
-             dtypes=(F64, torch.float32, torch.bfloat16, torch.float16), nonfinite_inputs=True):
+             dtypes=(F64, torch.float32, torch.bfloat16, torch.float16), nonfinite_inputs=True,
+             lengths=True, narrow_values=True):
     """One random call. ``D``: the head dims to pick from; ``T``, ``K``, ``N``: inclusive
-    ranges; ``H``: a range (two values) or the head counts to pick from. Values come from
-    a drawn seed (shrinking keeps the shapes small)."""
+    ranges; ``H``: a range (two values) or the head counts to pick from. ``lengths``:
+    may draw a topk_length (values in [-2, K + 2]); ``narrow_values``: may draw d_v < D.
+    Values come from a drawn seed (shrinking keeps the shapes small)."""
     d = draw(st.sampled_from(D))
     h = draw(st.integers(*H) if len(H) == 2 else st.sampled_from(H))  # a range or the values
     t, k, n = (draw(st.integers(*r)) for r in (T, K, N))
@@ -136,11 +142,17 @@ def problems(draw, *, D=(0, 1, 2, 3, 8), H=(0, 4), T=(0, 5), K=(0, 9), N=(0, 8),
         note.append(f"{bad_in} {bad_val}" if bad_in != "none" else "finite inputs")
 
     scale = None if d and draw(st.booleans()) else draw(st.sampled_from((0.125, 0.5, 1.0)))
-    grad_out = torch.randn(t, h, d, generator=g).to(dtype)
+    topk_length = None
+    if lengths and draw(st.booleans()):
+        topk_length = torch.randint(-2, k + 3, (t,), generator=g, dtype=torch.int32)
+        note.append("topk_length")
+    d_v = draw(st.integers(1, d)) if narrow_values and d and draw(st.booleans()) else None
+    grad_out = torch.randn(t, h, d if d_v is None else d_v, generator=g).to(dtype)
     grad_lse = torch.randn(t, h, generator=g).to(F64 if dtype == F64 else torch.float32) \
         if draw(st.booleans()) else None
     exact = not nonfinite_inputs or bad_in not in ("selected_row", "q")
-    return Problem(q, kv, idx.to(idx_dtype), sink, scale, grad_out, grad_lse, ", ".join(note), exact)
+    return Problem(q, kv, idx.to(idx_dtype), sink, scale, grad_out, grad_lse, ", ".join(note), exact,
+                   topk_length, d_v)
 
 
 def _logsumexp(x: Tensor) -> Tensor:
@@ -162,13 +174,16 @@ def oracle(p: Problem):
     sink = None if p.sink is None else p.sink.cpu().to(F64)
     dlse = None if p.grad_lse is None else p.grad_lse.cpu().to(F64)
     T, H, D = q.shape
-    N = kv.shape[0]
+    N, K = kv.shape[0], idx.shape[1]
+    d_v = D if p.d_v is None else p.d_v
     scale = D ** -0.5 if p.scale is None else p.scale
-    out, dq = torch.zeros(T, H, D, dtype=F64), torch.zeros(T, H, D, dtype=F64)
+    out, dq = torch.zeros(T, H, d_v, dtype=F64), torch.zeros(T, H, D, dtype=F64)
     lse = torch.zeros(T, H, dtype=F64)
     dkv, dsink = torch.zeros(N, D, dtype=F64), torch.zeros(H, dtype=F64)
     for t in range(T):
         ids = idx[t]
+        if p.topk_length is not None:  # slots past the length are absent (as if K were shorter)
+            ids = ids[:max(0, min(K, int(p.topk_length[t])))]
         valid = (ids >= 0) & (ids < N)
         rows = torch.zeros(len(ids), D, dtype=F64)
         rows[valid] = kv[ids[valid]]
@@ -176,12 +191,14 @@ def oracle(p: Problem):
         logits = s if sink is None else torch.cat([s, sink[:, None]], 1)
         lse[t] = _logsumexp(logits)
         pr = torch.exp(s - torch.where(lse[t] == -INF, torch.zeros_like(lse[t]), lse[t])[:, None])
-        out[t] = pr @ rows
+        vals = rows[:, :d_v]
+        out[t] = pr @ vals
         out[t][torch.isnan(lse[t])] = NAN  # even with K = 0
         delta = (out[t] * do[t]).sum(-1) - (0 if dlse is None else dlse[t])
-        ds = pr * (do[t] @ rows.T - delta[:, None])
+        ds = pr * (do[t] @ vals.T - delta[:, None])
         dq[t] = scale * (ds @ rows)
-        drows = scale * (ds.T @ q[t]) + pr.T @ do[t]
+        drows = scale * (ds.T @ q[t])
+        drows[:, :d_v] += pr.T @ do[t]
         dkv.index_add_(0, ids[valid], drows[valid])
         if sink is not None:
             dsink -= torch.exp(sink - lse[t]) * delta

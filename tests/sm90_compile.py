@@ -160,29 +160,32 @@ def wgmma_register_bases() -> list:
     return eval(m.group(1))  # a list of [int, int] pairs
 
 
-FWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", SINK="*fp32", OUT="*bf16", LSE="*fp32",
+FWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", SINK="*fp32", OUT="*bf16", LSE="*fp32", LEN="*i32",
                  scale_log2="fp32")
 FWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_ot", "stride_oh")
 BWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", DO="*bf16", LSE="*fp32", DELTA="*fp32",
-                 DQ="*bf16", DKV="*fp32", ACC="*fp32", PARTIAL="*fp32", FLAGS="*i32", scale="fp32",
+                 DQ="*bf16", DKV="*fp32", ACC="*fp32", PARTIAL="*fp32", FLAGS="*i32", LEN="*i32",
+                 scale="fp32",
                  scale_log2="fp32")
 BWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_dt", "stride_dh", "stride_gt", "stride_gh")
 
 
-def compile_forward(D: int, H: int, cfg=None, has_sink=True, run_ptxas=True) -> dict:
+def compile_forward(D: int, H: int, cfg=None, has_sink=True, run_ptxas=True, has_len=False) -> dict:
     from dsv4_sparse_attn.kernels import forward_triton as F
 
     cfg = cfg or F.forward_config(D, H)
-    consts = dict(D=D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, HAS_SINK=has_sink, DOT_FP32=False)
+    consts = dict(D=D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, HAS_SINK=has_sink, HAS_LEN=has_len,
+                  DOT_FP32=False)
     return compile_sm90(F._sparse_mla_fwd_kernel, FWD_TYPES, consts, cfg.num_warps, cfg.num_stages,
                         FWD_DIV16, run_ptxas)
 
 
-def compile_backward(D: int, H: int, cfg=None, atomic=False, run_ptxas=True) -> dict:
+def compile_backward(D: int, H: int, cfg=None, atomic=False, run_ptxas=True, has_len=False) -> dict:
     from dsv4_sparse_attn.kernels import backward_triton as B
 
     cfg = cfg or B.backward_config(D, H)
-    consts = dict(D=D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, ATOMIC=atomic, DOT_FP32=False)
+    consts = dict(D=D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, ATOMIC=atomic, HAS_LEN=has_len,
+                  DOT_FP32=False)
     return compile_sm90(B._bwd_main_kernel, BWD_TYPES, consts, cfg.num_warps, cfg.num_stages,
                         BWD_DIV16, run_ptxas)
 

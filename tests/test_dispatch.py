@@ -21,7 +21,7 @@ from dsv4_sparse_attn.kernels import (backward_gluon, backward_triton, common, d
                                       forward_triton)
 from dsv4_sparse_attn.kernels.common import Call
 
-P = SimpleNamespace(T=2, H=64, D=512, N=3, K=4, scale=512 ** -0.5)  # the sizes of _args()
+P = SimpleNamespace(T=2, H=64, D=512, N=3, K=4, d_v=512, has_len=False, scale=512 ** -0.5)  # _args()
 
 
 def _args():
@@ -209,7 +209,7 @@ def test_calls_with_no_work_launch_no_kernel(every_kernel_takes, monkeypatch, em
     kv = torch.randn(sizes["N"], P.D, dtype=torch.bfloat16)
     idx = torch.zeros(sizes["T"], sizes["K"], dtype=torch.int32)
     sink = torch.randn(sizes["H"])
-    p = SimpleNamespace(**sizes, D=P.D, scale=P.scale)
+    p = SimpleNamespace(**sizes, D=P.D, d_v=P.D, has_len=False, scale=P.scale)
     out, lse = dispatch.forward(q, kv, idx, sink, p)
     assert torch.equal(out, torch.zeros_like(out))
     if empty in ("K", "N"):

@@ -13,7 +13,7 @@ def run_flat(p: Problem):
     """(out, lse, grad_q, grad_kv, grad_sink) through torch.ops.dsv4.sparse_mla and autograd."""
     q, kv = p.q.clone().requires_grad_(), p.kv.clone().requires_grad_()
     s = None if p.sink is None else p.sink.clone().requires_grad_()
-    out, lse = torch.ops.dsv4.sparse_mla(q, kv, p.idx, s, p.scale)
+    out, lse = torch.ops.dsv4.sparse_mla(q, kv, p.idx, s, p.scale, p.topk_length, p.d_v)
     leaves = [q, kv] + ([s] if s is not None else [])
     dlse = torch.zeros_like(lse) if p.grad_lse is None else p.grad_lse
     grads = torch.autograd.grad([out, lse], leaves, [p.grad_out, dlse], allow_unused=True,
@@ -38,7 +38,9 @@ def test_batched_layout_matches_the_oracle_per_sample(p, seed):
     kvb = torch.stack([p.kv, kv1]).requires_grad_()
     idxb = torch.stack([p.idx, p.idx.flip(0)])
     s = None if p.sink is None else p.sink.clone().requires_grad_()
-    out, lse = dsv4_sparse_attn.sparse_mla(qb, kvb, idxb, s, p.scale, return_lse=True)
+    lenb = None if p.topk_length is None else torch.stack([p.topk_length, p.topk_length.flip(0)])
+    out, lse = dsv4_sparse_attn.sparse_mla(qb, kvb, idxb, s, p.scale, return_lse=True, topk_length=lenb,
+                                           d_v=p.d_v)
     dob = torch.stack([p.grad_out, p.grad_out.flip(0)])
     dlse = torch.zeros_like(lse) if p.grad_lse is None else torch.stack([p.grad_lse, p.grad_lse.flip(0)])
     leaves = [qb, kvb] + ([s] if s is not None else [])
@@ -46,10 +48,11 @@ def test_batched_layout_matches_the_oracle_per_sample(p, seed):
     refs = []
     for b in range(2):
         pb = Problem(qb[b].detach(), kvb[b].detach(), idxb[b], p.sink, p.scale, dob[b],
-                     None if p.grad_lse is None else dlse[b], f"{p.note}, sample {b}", p.exact)
+                     None if p.grad_lse is None else dlse[b], f"{p.note}, sample {b}", p.exact,
+                     None if lenb is None else lenb[b], p.d_v)
         refs.append(oracle(pb))
         assert_matches(pb, (out[b], lse[b], grads[0][b], grads[1][b]), refs[b][:4])
     if s is not None:
         pb = Problem(p.q, p.kv, p.idx, p.sink, p.scale, p.grad_out, p.grad_lse, f"{p.note}, grad_sink",
-                     p.exact)
+                     p.exact, p.topk_length, p.d_v)
         assert_matches(pb, (None,) * 4 + (grads[2],), (None,) * 4 + (refs[0][4] + refs[1][4],))

@@ -27,7 +27,7 @@ def gpu_problems(dtype):
     # again, and compiling, not running, bounds this test (D = 64 and 256 are in
     # test_kernels_gpu.py). Shapes that are runtime values (T, K, N) vary freely.
     return problems(D=(128, 512, 512), H=(0, 1, 7, 16, 24, 64, 100, 128), T=(0, 24), K=(0, 300), N=(0, 600),
-                    dtypes=(dtype,))
+                    dtypes=(dtype,), narrow_values=False)
 
 
 def _log(line):
@@ -41,7 +41,7 @@ def _log(line):
 def run_op(p, deterministic):
     q, kv = p.q.clone().requires_grad_(), p.kv.clone().requires_grad_()
     s = None if p.sink is None else p.sink.clone().requires_grad_()
-    out, lse = torch.ops.dsv4.sparse_mla(q, kv, p.idx, s, p.scale)
+    out, lse = torch.ops.dsv4.sparse_mla(q, kv, p.idx, s, p.scale, p.topk_length, p.d_v)
     dlse = torch.zeros_like(lse) if p.grad_lse is None else p.grad_lse
     leaves = [q, kv] + ([s] if s is not None else [])
     dsv4_sparse_attn.set_deterministic_backward(deterministic)

@@ -63,7 +63,9 @@ dsv4::sparse_mla(
     Tensor kv,
     Tensor indices,
     Tensor? attn_sink=None,
-    float? scale=None
+    float? scale=None,
+    Tensor? topk_length=None,
+    SymInt? d_v=None
 ) -> (Tensor, Tensor)""",
     )
     assert_expected_inline(
@@ -74,7 +76,9 @@ dsv4::sparse_mla_fwd(
     Tensor kv,
     Tensor indices,
     Tensor? attn_sink=None,
-    float? scale=None
+    float? scale=None,
+    Tensor? topk_length=None,
+    SymInt? d_v=None
 ) -> (Tensor, Tensor)""",
     )
     assert_expected_inline(
@@ -89,14 +93,16 @@ dsv4::sparse_mla_bwd(
     Tensor lse,
     Tensor indices,
     Tensor? attn_sink=None,
-    float? scale=None
+    float? scale=None,
+    Tensor? topk_length=None,
+    SymInt? d_v=None
 ) -> (Tensor, Tensor, Tensor)""",
     )
 
 
 # --------------------------------------------------------------------------- forward errors
-def _fwd(q, kv, idx, s, scale=None, op=FWD):
-    return lambda: op(q, kv, idx, s, scale)
+def _fwd(q, kv, idx, s, scale=None, op=FWD, topk_length=None, d_v=None):
+    return lambda: op(q, kv, idx, s, scale, topk_length, d_v)
 
 
 def fwd_cases(dev="cpu"):
@@ -124,6 +130,14 @@ def fwd_cases(dev="cpu"):
         "scale_negative": _fwd(q, kv, idx, s, -1.0),
         "scale_inf": _fwd(q, kv, idx, s, math.inf),
         "scale_nan": _fwd(q, kv, idx, s, math.nan),
+        "topk_length_dtype": _fwd(q, kv, idx, s, topk_length=torch.ones(q.shape[0], dtype=torch.int64,
+                                                                        device=dev)),
+        "topk_length_shape": _fwd(q, kv, idx, s, topk_length=torch.ones(q.shape[0] + 1, dtype=torch.int32,
+                                                                        device=dev)),
+        "topk_length_rank": _fwd(q, kv, idx, s, topk_length=torch.ones(q.shape[0], 1, dtype=torch.int32,
+                                                                       device=dev)),
+        "d_v_zero": _fwd(q, kv, idx, s, d_v=0),
+        "d_v_above_D": _fwd(q, kv, idx, s, d_v=q.shape[-1] + 1),
     }
 
 
@@ -174,7 +188,17 @@ scale_negative: ValueError
 scale_inf: ValueError
     sparse_mla: scale must be a finite positive number, got inf
 scale_nan: ValueError
-    sparse_mla: scale must be a finite positive number, got nan""",
+    sparse_mla: scale must be a finite positive number, got nan
+topk_length_dtype: TypeError
+    sparse_mla: topk_length must have dtype int32, got torch.int64
+topk_length_shape: ValueError
+    sparse_mla: topk_length must have shape [T] with T=3 (q's first dim), got shape [4]
+topk_length_rank: ValueError
+    sparse_mla: topk_length must have shape [T] with T=3 (q's first dim), got shape [3, 1]
+d_v_zero: ValueError
+    sparse_mla: d_v must be in [1, D] = [1, 8] (values are kv[:, :d_v]), got 0
+d_v_above_D: ValueError
+    sparse_mla: d_v must be in [1, D] = [1, 8] (values are kv[:, :d_v]), got 9""",
     )
     # the differentiable op validates identically
     q, kv, idx, s = base()
@@ -187,6 +211,7 @@ def test_error_types():
     types = {
         "float_indices": TypeError, "int16_indices": TypeError, "int_q": TypeError,
         "kv_dtype": TypeError, "sink_dtype_bf16": TypeError, "sink_dtype_f64": TypeError,
+        "topk_length_dtype": TypeError,
     }
     for name, fn in cases.items():
         with pytest.raises(types.get(name, ValueError)):
@@ -249,11 +274,11 @@ def test_backward_errors():
         render(msgs),
         """\
 grad_out_shape: ValueError
-    sparse_mla: grad_out must have q's shape [3, 2, 8], got shape [3, 1, 8]
+    sparse_mla: grad_out must have shape [T, H, d_v] = [3, 2, 8], got shape [3, 1, 8]
 grad_out_dtype: TypeError
     sparse_mla: grad_out must have q's dtype (torch.float32), got torch.bfloat16
 out_shape: ValueError
-    sparse_mla: out must have q's shape [3, 2, 8], got shape [2, 2, 8]
+    sparse_mla: out must have shape [T, H, d_v] = [3, 2, 8], got shape [2, 2, 8]
 out_dtype: TypeError
     sparse_mla: out must have q's dtype (torch.float32), got torch.float64
 lse_shape: ValueError

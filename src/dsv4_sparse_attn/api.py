@@ -50,6 +50,8 @@ def sparse_mla(
     scale: Optional[float] = None,
     *,
     return_lse: bool = False,
+    topk_length: Optional[Tensor] = None,
+    d_v: Optional[int] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """DeepSeek-V4 sparse-MLA attention, differentiable in q, kv and attn_sink.
 
@@ -61,6 +63,11 @@ def sparse_mla(
     ``scale`` defaults to D**-0.5. Returns out in the caller's layout (q's dtype) and,
     with ``return_lse=True``, also the natural-log, sink-inclusive lse ([T, H] or
     [B, S, H], fp32), which is differentiable too.
+
+    ``topk_length`` (int32 [T] or [B, S]): slot j of a token is masked when j >=
+    topk_length (values above K act as K, below 0 as 0); the kernels skip those slots.
+    ``d_v``: the values are kv[..., :d_v] (default D): the DeepSeek-V3.2 / GLM-5 layout
+    scores q.k over 576 columns and takes the first 512 as values; out is then [..., d_v].
     """
     if not isinstance(q, Tensor):
         raise TypeError(f"sparse_mla: q must be a torch.Tensor, got {type(q).__name__}")
@@ -69,10 +76,16 @@ def sparse_mla(
     if q.dim() == 4:
         B, S = q.shape[:2]
         fq, fkv, fidx = _flatten_batched(q, kv, indices)
-        out, lse = torch.ops.dsv4.sparse_mla(fq, fkv, fidx, attn_sink, scale)
+        flen = None
+        if topk_length is not None:
+            if not isinstance(topk_length, Tensor) or topk_length.shape != (B, S):
+                raise ValueError(f"sparse_mla: batched topk_length must have shape [B, S] = [{B}, {S}], "
+                                 f"got {list(getattr(topk_length, 'shape', [type(topk_length).__name__]))}")
+            flen = topk_length.reshape(B * S)
+        out, lse = torch.ops.dsv4.sparse_mla(fq, fkv, fidx, attn_sink, scale, flen, d_v)
         out, lse = out.view(B, S, *out.shape[1:]), lse.view(B, S, lse.shape[1])
     elif q.dim() == 3:
-        out, lse = torch.ops.dsv4.sparse_mla(q, kv, indices, attn_sink, scale)
+        out, lse = torch.ops.dsv4.sparse_mla(q, kv, indices, attn_sink, scale, topk_length, d_v)
     else:
         raise ValueError(
             f"sparse_mla: q must have shape [T, H, D] (flat) or [B, S, H, D] (batched), "
@@ -82,11 +95,13 @@ def sparse_mla(
 
 
 def sparse_attn(
-    q: Tensor, kv: Tensor, attn_sink: Optional[Tensor], topk_idxs: Tensor, softmax_scale: float
+    q: Tensor, kv: Tensor, attn_sink: Optional[Tensor], topk_idxs: Tensor, softmax_scale: float,
+    *, topk_length: Optional[Tensor] = None, d_v: Optional[int] = None,
 ) -> Tensor:
     """Drop-in for the DeepSeek-V4 reference ``sparse_attn`` (batched per-sample layout).
 
     q [B, S, H, D], kv [B, N, D], attn_sink [H] fp32, topk_idxs [B, S, K] (-1 masked)
-    -> out [B, S, H, D]. Differentiable.
+    -> out [B, S, H, d_v]. Differentiable. ``topk_length`` [B, S] and ``d_v`` as in
+    ``sparse_mla``.
     """
-    return sparse_mla(q, kv, topk_idxs, attn_sink, softmax_scale)
+    return sparse_mla(q, kv, topk_idxs, attn_sink, softmax_scale, topk_length=topk_length, d_v=d_v)

@@ -100,19 +100,25 @@ def causal_indices(shape: Sequence[int], K: int, window: int, *, device="cpu", d
     return torch.cat([win, rnd], dim=-1).to(dtype)
 
 
+def _cpu(x: Optional[Tensor]) -> Optional[Tensor]:
+    return None if x is None else x.cpu()
+
+
 def oracle_fwd(q: Tensor, kv: Tensor, indices: Tensor, attn_sink: Optional[Tensor],
-               scale: Optional[float] = None):
+               scale: Optional[float] = None, topk_length: Optional[Tensor] = None,
+               d_v: Optional[int] = None):
     """The exact reference in float64 on the CPU (inputs upcast): (out, lse)."""
     D = q.shape[-1]
     scale = D ** -0.5 if scale is None else scale
     kv2 = kv if kv.dim() == 2 else kv[:, 0]
     s = None if attn_sink is None else attn_sink.detach().double().cpu()
     return reference.sparse_mla_fwd(q.detach().double().cpu(), kv2.detach().double().cpu(), indices.cpu(),
-                                    s, scale)
+                                    s, scale, _cpu(topk_length), d_v)
 
 
 def oracle_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, kv: Tensor, indices: Tensor,
-               attn_sink: Optional[Tensor], scale: Optional[float] = None):
+               attn_sink: Optional[Tensor], scale: Optional[float] = None,
+               topk_length: Optional[Tensor] = None, d_v: Optional[int] = None):
     """The float64 backward, with out and lse recomputed in float64 (not taken from the
     kernel under test): (grad_q, grad_kv, grad_sink)."""
     D = q.shape[-1]
@@ -120,7 +126,7 @@ def oracle_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, kv: Tens
     kv2 = kv if kv.dim() == 2 else kv[:, 0]
     q64, kv64 = q.detach().double().cpu(), kv2.detach().double().cpu()
     s = None if attn_sink is None else attn_sink.detach().double().cpu()
-    out, lse = reference.sparse_mla_fwd(q64, kv64, indices.cpu(), s, scale)
+    out, lse = reference.sparse_mla_fwd(q64, kv64, indices.cpu(), s, scale, _cpu(topk_length), d_v)
     dl = None if grad_lse is None else grad_lse.detach().double().cpu()
     return reference.sparse_mla_bwd(grad_out.detach().double().cpu(), dl, q64, kv64, out, lse,
-                                    indices.cpu(), s, scale)
+                                    indices.cpu(), s, scale, _cpu(topk_length), d_v)

@@ -27,6 +27,8 @@ class Problem(NamedTuple):
     N: int  # kv rows
     K: int  # selected slots per token
     scale: float
+    d_v: int  # value columns: kv[:, :d_v] (D unless given)
+    has_len: bool = False  # a per-token topk_length was given
 
 
 def _shape(x: Tensor) -> list:
@@ -81,12 +83,36 @@ def resolve_scale(scale: Optional[float], D: int) -> float:
     return scale
 
 
+def resolve_d_v(d_v, D: int) -> int:
+    if d_v is None:
+        return D
+    if isinstance(d_v, bool) or not isinstance(d_v, (int, torch.SymInt)):
+        raise TypeError(f"sparse_mla: d_v must be an int or None, got {type(d_v).__name__}")
+    if not 1 <= d_v <= D:
+        raise ValueError(f"sparse_mla: d_v must be in [1, D] = [1, {D}] (values are kv[:, :d_v]), got {d_v}")
+    return d_v
+
+
+def _check_topk_length(topk_length: Tensor, T: int, q: Tensor) -> None:
+    _expect_tensor("topk_length", topk_length)
+    if topk_length.dim() != 1 or topk_length.shape[0] != T:
+        raise ValueError(
+            f"sparse_mla: topk_length must have shape [T] with T={T} (q's first dim), "
+            f"got shape {_shape(topk_length)}"
+        )
+    if topk_length.dtype != torch.int32:
+        raise TypeError(f"sparse_mla: topk_length must have dtype int32, got {topk_length.dtype}")
+    _same_device("topk_length", topk_length, "q", q)
+
+
 def check_forward(
     q: Tensor,
     kv: Tensor,
     indices: Tensor,
     attn_sink: Optional[Tensor],
     scale: Optional[float],
+    topk_length: Optional[Tensor] = None,
+    d_v: Optional[int] = None,
 ) -> Problem:
     """Validate the forward arguments; return the problem sizes."""
     for name, x in (("q", q), ("kv", kv), ("indices", indices)):
@@ -127,7 +153,10 @@ def check_forward(
         if attn_sink.dtype != torch.float32 and not (q.dtype == attn_sink.dtype == torch.float64):
             raise TypeError(f"sparse_mla: attn_sink must have dtype float32, got {attn_sink.dtype}")
         _same_device("attn_sink", attn_sink, "q", q)
-    return Problem(T=T, H=H, D=D, N=kv.shape[0], K=indices.shape[1], scale=resolve_scale(scale, D))
+    if topk_length is not None:
+        _check_topk_length(topk_length, T, q)
+    return Problem(T=T, H=H, D=D, N=kv.shape[0], K=indices.shape[1], scale=resolve_scale(scale, D),
+                   d_v=resolve_d_v(d_v, D), has_len=topk_length is not None)
 
 
 def check_backward(
@@ -140,15 +169,18 @@ def check_backward(
     indices: Tensor,
     attn_sink: Optional[Tensor],
     scale: Optional[float],
+    topk_length: Optional[Tensor] = None,
+    d_v: Optional[int] = None,
 ) -> Problem:
     """Validate the backward arguments; return the problem sizes."""
-    p = check_forward(q, kv, indices, attn_sink, scale)
+    p = check_forward(q, kv, indices, attn_sink, scale, topk_length, d_v)
     for name, x in (("grad_out", grad_out), ("out", out), ("lse", lse)):
         _expect_tensor(name, x)
     for name, x in (("grad_out", grad_out), ("out", out)):
-        if x.shape != q.shape:
+        if x.shape != (p.T, p.H, p.d_v):
             raise ValueError(
-                f"sparse_mla: {name} must have q's shape {_shape(q)}, got shape {_shape(x)}"
+                f"sparse_mla: {name} must have shape [T, H, d_v] = [{p.T}, {p.H}, {p.d_v}], "
+                f"got shape {_shape(x)}"
             )
         if x.dtype != q.dtype:
             raise TypeError(f"sparse_mla: {name} must have q's dtype ({q.dtype}), got {x.dtype}")

@@ -141,7 +141,8 @@ def chunk_tokens(T: int, n_hb: int, K: int, D: int, budget: int, n_sm: int = 0) 
 
 
 def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scale, main,
-                   deterministic: bool = True, grad_q: torch.Tensor | None = None, **main_options):
+                   deterministic: bool = True, grad_q: torch.Tensor | None = None,
+                   topk_length: torch.Tensor | None = None, **main_options):
     """The backward with main kernel ``main`` (the module ``backward_gluon`` or
     ``backward_triton``; the caller checked its ``rejects``). Returns grad_q [T,H,D],
     grad_kv [N,D] in kv's dtype, grad_sink ([H] fp32, or empty without sink). CPU tensors
@@ -171,6 +172,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         )
 
     def launch(t_begin, n_tok, partial, flags):
+        if topk_length is not None:
+            main_options["topk_length"] = topk_length
         main.launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
                     scale * LOG2E, paired, **main_options)
 
@@ -193,8 +196,11 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             n_tok = min(chunk, T - t0)
             launch(t0, n_tok, partial, new_flags(n_tok))
             # Invert the chunk's ids: entries sorted by kv row (stable: fixed order).
-            ids = indices[t0:t0 + n_tok].reshape(-1)
-            ids = torch.where((ids >= 0) & (ids < N), ids, N).to(key_dtype)
+            ids = indices[t0:t0 + n_tok]
+            valid = (ids >= 0) & (ids < N)
+            if topk_length is not None:  # slots past a token's length: no partial row was written
+                valid &= torch.arange(K, device=dev)[None, :] < topk_length[t0:t0 + n_tok, None]
+            ids = torch.where(valid, ids, N).reshape(-1).to(key_dtype)
             sorted_ids, order = torch.sort(ids, stable=True)
             seg = torch.searchsorted(sorted_ids, rows)
             _dkv_reduce_kernel[(N, D // block_d)](

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from .common import head_block, interpreting, load_tile, slot_rows, triton_rejects
+from .common import head_block, interpreting, load_tile, slot_end, slot_rows, triton_rejects
 
 NAME = "triton"
 ACC_FAKE_ORDER = False  # the fast mode's accumulator is [N, D] in natural column order
@@ -46,7 +46,7 @@ def _dkv_quarter(p_mm, ds_mm, do_x, q_x, ptr, mask, ATOMIC: tl.constexpr):
 
 @triton.jit(do_not_specialize=_MAIN_RUNTIME_INTS)
 def _bwd_main_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, PARTIAL,
+    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, PARTIAL, LEN,
     T, H, N, K, t_begin,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh,
     stride_lt, stride_gt, stride_gh,
@@ -55,6 +55,7 @@ def _bwd_main_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ATOMIC: tl.constexpr,
+    HAS_LEN: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     # D is handled in four quarters: dQ (4 x [BLOCK_H, D/4] fp32) stays in registers
@@ -95,9 +96,10 @@ def _bwd_main_kernel(
     idx_row = IDX + pid_t * stride_it
     # No loop-invariant code motion: LLVM would hoist the wgmma shared-memory descriptors
     # of the q/dO tiles (64-bit, dozens of them) out of the loop and spill them.
-    for k0 in tl.range(0, K, BLOCK_K, disable_licm=True):
+    k_end = slot_end(LEN, pid_t, K, HAS_LEN)
+    for k0 in tl.range(0, k_end, BLOCK_K, disable_licm=True):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        valid, rows = slot_rows(idx_row, offs_k, K, N)
+        valid, rows = slot_rows(idx_row, offs_k, k_end, N)
         vm = valid[:, None]
         kv_ptr = KV + rows[:, None] * stride_kvn + offs_d
         kv0 = load_tile(kv_ptr, vm, DOT_FP32)
@@ -116,6 +118,8 @@ def _bwd_main_kernel(
         dp = tl.dot(do2, tl.trans(kv2), dp)
         dp = tl.dot(do3, tl.trans(kv3), dp)
         ds = p * (dp - delta[:, None])
+        if HAS_LEN:  # slots past the length are absent, not masked: nothing, even 0 * NaN
+            ds = tl.where((offs_k < k_end)[None, :], ds, 0.0)
 
         ds_mm = ds.to(kv0.dtype)
         dq0 = tl.dot(ds_mm, kv0, dq0)
@@ -187,7 +191,7 @@ def flags_per_chunk(n_tok: int, n_hb: int) -> int:
 
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
-           scale_log2, paired, config: BwdConfig | None = None):
+           scale_log2, paired, topk_length=None, config: BwdConfig | None = None):
     """One chunk of tokens [t_begin, t_begin + n_tok): dKV rows to ``partial``
     ([n_tok, n_hb, K, D] fp32) or, without it, added to ``acc`` ([N, D] fp32)."""
     T, H, D = q.shape
@@ -195,10 +199,12 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     cfg = config or backward_config(D, H)
     _bwd_main_kernel[(n_tok, triton.cdiv(H, cfg.BLOCK_H))](
         q, kv, indices, grad_out, lse, delta, grad_q, acc, partial if partial is not None else acc,
+        topk_length if topk_length is not None else indices,
         T, H, N, K, t_begin,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
         D=D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, ATOMIC=partial is None,
+        HAS_LEN=topk_length is not None,
         DOT_FP32=interpreting(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -44,11 +44,13 @@ class Call(NamedTuple):
     D: int
     H: int
     deterministic: bool = True  # backward only
+    d_v: int = 0  # value columns (0: D)
+    has_len: bool = False  # a per-token topk_length
 
     @classmethod
-    def of(cls, q: torch.Tensor, deterministic: bool = True) -> "Call":
+    def of(cls, q: torch.Tensor, deterministic: bool = True, d_v: int = 0, has_len: bool = False) -> "Call":
         T, H, D = q.shape
-        return cls(q.device, q.dtype, D, H, deterministic)
+        return cls(q.device, q.dtype, D, H, deterministic, 0 if d_v == D else d_v, has_len)
 
 
 def triton_rejects(call: Call) -> str | None:
@@ -60,6 +62,8 @@ def triton_rejects(call: Call) -> str | None:
         return f"dtype {call.dtype} (takes bfloat16 and float16)"
     if call.D not in SUPPORTED_D:
         return f"head dim D={call.D} (takes D in {SUPPORTED_D})"
+    if call.d_v:
+        return f"d_v={call.d_v} < D={call.D} (values narrower than keys: the reference only, for now)"
     return None
 
 
@@ -106,6 +110,16 @@ def slot_rows(idx_row, offs_k, K, N):
     ids = tl.load(idx_row + offs_k, mask=offs_k < K, other=-1).to(tl.int64)
     valid = (ids >= 0) & (ids < N)
     return valid, tl.where(valid, ids, 0)
+
+
+@triton.jit
+def slot_end(LEN, pid_t, K, HAS_LEN: tl.constexpr):
+    """Slots of token ``pid_t`` to visit: K, or topk_length[t] clamped to [0, K] (the
+    slots past it are masked and their blocks skipped)."""
+    if HAS_LEN:
+        return tl.minimum(tl.maximum(tl.load(LEN + pid_t), 0), K)
+    else:
+        return K
 
 
 @triton.jit

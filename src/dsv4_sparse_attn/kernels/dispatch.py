@@ -167,21 +167,29 @@ def _no_work(p) -> bool:
     return min(p.T, p.H, p.K, p.N) == 0
 
 
-def forward(q, kv, indices, attn_sink, p):
+def forward(q, kv, indices, attn_sink, p, topk_length=None):
+    def run_reference():
+        return reference.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale, topk_length, p.d_v)
+
     if _no_work(p):
-        return reference.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale)
-    call = Call.of(q)
-    return _run("forward", call, lambda mod: mod.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale),
-                lambda: reference.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale))
+        return run_reference()
+    call = Call.of(q, d_v=p.d_v, has_len=p.has_len)
+    return _run("forward", call,
+                lambda mod: mod.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale, topk_length=topk_length),
+                run_reference)
 
 
-def backward(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p):
+def backward(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p, topk_length=None):
+    def run_reference():
+        return reference.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p.scale,
+                                        topk_length, p.d_v)
+
     if _no_work(p):
-        return reference.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p.scale)
+        return run_reference()
     det = deterministic_backward()
-    call = Call.of(q, det)
+    call = Call.of(q, det, d_v=p.d_v, has_len=p.has_len)
     return _run("backward", call,
                 lambda mod: _backward.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink,
-                                                     p.scale, main=mod, deterministic=det),
-                lambda: reference.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink,
-                                                 p.scale))
+                                                     p.scale, main=mod, deterministic=det,
+                                                     topk_length=topk_length),
+                run_reference)

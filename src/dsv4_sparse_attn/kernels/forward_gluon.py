@@ -345,8 +345,11 @@ def rejects(call) -> str | None:
     return None
 
 
-def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None):
-    """Launch the Gluon forward (same contract as ``forward_triton.sparse_mla_fwd``)."""
+def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, topk_length=None):
+    """Launch the Gluon forward (same contract as ``forward_triton.sparse_mla_fwd``, without
+    ``topk_length``: ``rejects`` sends such calls elsewhere)."""
+    if topk_length is not None:
+        raise ValueError("forward_gluon: topk_length is not supported (see hopper_rejects)")
     out, lse, args = prepare_forward(q, kv, indices, attn_sink, scale, out, lse)
     if args is None:
         return out, lse

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .common import (LOG2E, finish_softmax, head_block, interpreting, last_dim_contiguous, load_tile,
-                     slot_rows, triton_rejects)
+                     slot_end, slot_rows, triton_rejects)
 
 # Values that change from call to call (sequence length, top-k, pool size) are never
 # specialised; the row strides of q, kv and out (multiples of D in practice) are, so
@@ -28,7 +28,7 @@ FWD_RUNTIME_INTS = ["T", "H", "N", "K", "stride_it", "stride_lt"]
 
 @triton.jit(do_not_specialize=FWD_RUNTIME_INTS)
 def _sparse_mla_fwd_kernel(
-    Q, KV, IDX, SINK, OUT, LSE,
+    Q, KV, IDX, SINK, OUT, LSE, LEN,
     T, H, N, K,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
     scale_log2,
@@ -36,6 +36,7 @@ def _sparse_mla_fwd_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_SINK: tl.constexpr,
+    HAS_LEN: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2
@@ -56,9 +57,10 @@ def _sparse_mla_fwd_kernel(
     acc1 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
 
     idx_row = IDX + pid_t * stride_it
-    for k0 in range(0, K, BLOCK_K):
+    k_end = slot_end(LEN, pid_t, K, HAS_LEN)
+    for k0 in range(0, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        valid, rows = slot_rows(idx_row, offs_k, K, N)
+        valid, rows = slot_rows(idx_row, offs_k, k_end, N)
         kv_ptr = KV + rows[:, None] * stride_kvn + offs_d[None, :]
         kv0 = load_tile(kv_ptr, valid[:, None], DOT_FP32)
         kv1 = load_tile(kv_ptr + HALF, valid[:, None], DOT_FP32)
@@ -129,8 +131,10 @@ def prepare_forward(q, kv, indices, attn_sink, scale, out=None, lse=None):
 
 
 def sparse_mla_fwd(q, kv, indices, attn_sink, scale, config: FwdConfig | None = None,
-                   out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
-    """Launch the forward. q [T,H,D], kv [N,D] (bf16/fp16), indices [T,K] int32/int64.
+                   out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                   topk_length: torch.Tensor | None = None):
+    """Launch the forward. q [T,H,D], kv [N,D] (bf16/fp16), indices [T,K] int32/int64,
+    topk_length None or int32 [T] (the slots past it are skipped).
 
     ``out``/``lse`` may be given (contiguous; tests pass poisoned buffers to catch
     unwritten elements). CPU tensors run under the Triton interpreter (tests only).
@@ -140,9 +144,11 @@ def sparse_mla_fwd(q, kv, indices, attn_sink, scale, config: FwdConfig | None = 
         return out, lse
     T, H, D = q.shape
     cfg = config or forward_config(D, H)
+    q_args, rest = args[:6], args[6:]
     _sparse_mla_fwd_kernel[(T, triton.cdiv(H, cfg.BLOCK_H))](
-        *args,
+        *q_args, topk_length if topk_length is not None else indices, *rest,
         D=D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, HAS_SINK=attn_sink is not None,
+        HAS_LEN=topk_length is not None,
         DOT_FP32=interpreting(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

@@ -141,6 +141,10 @@ def hopper_rejects(call) -> str | None:
         return f"dtype {call.dtype} (takes bfloat16 and float16)"
     if call.D != 512:
         return f"head dim D={call.D} (takes D = 512)"
+    if call.d_v:
+        return f"d_v={call.d_v} < D={call.D} (values narrower than keys)"
+    if call.has_len:
+        return "a per-token topk_length (the Triton kernels skip the slots past it)"
     return None
 
 
