@@ -216,3 +216,29 @@ def test_calls_with_no_work_launch_no_kernel(every_kernel_takes, monkeypatch, em
         assert torch.equal(lse, sink.expand_as(lse))
     grads = dispatch.backward(torch.randn_like(out), None, q, kv, out, lse, idx, sink, p)
     assert [g.shape for g in grads[:2]] == [q.shape, kv.shape] and calls == []
+
+
+@pytest.mark.parametrize("D, d_v, takes", [(576, 512, True), (192, 128, True), (512, 512, True),
+                                           (576, 500, False), (512, 448, False), (576, 256, False)])
+def test_triton_takes_values_narrower_than_keys_by_64_columns(D, d_v, takes):
+    call = Call(torch.device("cuda"), torch.bfloat16, D, 64, True, 0 if d_v == D else d_v)
+    assert (forward_triton.rejects(call) is None) == takes
+    assert (backward_triton.rejects(call) is None) == takes
+
+
+def test_python_m_report_lists_lengths_and_the_v32_layout(fresh, monkeypatch):
+    """The CUDA table (on an sm_90 GPU, faked): with a topk_length or d_v < D the Gluon
+    kernels step aside for Triton's and say why; D = 576 with d_v = D runs the reference."""
+    from dsv4_sparse_attn import __main__ as cli
+    from dsv4_sparse_attn.kernels import hopper
+
+    monkeypatch.setattr(hopper, "not_sm90", lambda device: None)
+    props = SimpleNamespace(name="H200", major=9, minor=0, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    lines = cli.report(torch.device("cuda", 0)).splitlines()
+    special = [line for line in lines if "576/512" in line or "+len" in line]
+    assert len(special) == 2 * 3 * 3  # (576/512, 512 +len) x 3 ops x 3 head ranges
+    for line in special:
+        assert " triton " in line and "gluon_sm90:" in line, line
+    plain_576 = [line for line in lines if " 576 " in line[:32]]  # the D column, d_v = D
+    assert len(plain_576) == 3 * 3 and all(" reference " in line for line in plain_576), plain_576

@@ -48,6 +48,19 @@ def test_triton_kernels_with_topk_length_compile_for_sm90_without_spills(directi
     assert r["spill_bytes"] <= base["spill_bytes"], (base, r)
 
 
+@pytest.mark.parametrize("H", [128, 16])
+def test_triton_kernels_for_the_v32_layout_compile_for_sm90(H):
+    """D = 576 with d_v = 512 (64 score-only columns): shared memory under the limit, the
+    tensor-core path at 64-head blocks, a forward without spills."""
+    f = compile_forward(512, H, rope=64)
+    assert f["shared"] <= H200_SMEM_LIMIT and f["spill_bytes"] == 0, f
+    for atomic in (False, True):
+        b = compile_backward(512, H, rope=64, atomic=atomic)
+        assert b["shared"] <= H200_SMEM_LIMIT, b
+    if H >= 64:
+        assert f["wgmma"] > 0 and f["mma_sync"] == 0 and b["wgmma"] > 0 and b["mma_sync"] == 0, (f, b)
+
+
 @pytest.mark.parametrize("has_sink", [True, False])
 def test_gluon_forward_d512_compiles_for_sm90(has_sink):
     """The Gluon kernel (the default forward for D=512, H>16 on Hopper)."""

@@ -20,7 +20,10 @@ from .kernels.hopper import gluon_unavailable
 
 # One head count per range where a rule changes (forward_gluon.MIN_HEADS = 17, 64-row tiles).
 HEAD_RANGES = (("1-16", 16), ("17-63", 32), (">=64", 128))
-HEAD_DIMS = (64, 128, 256, 512, 576)
+# (label, D, d_v (0: D), topk_length given): the head dims, the V3.2 layout (576 scored, 512
+# values) and per-token lengths.
+HEAD_DIMS = (("64", 64, 0, False), ("128", 128, 0, False), ("256", 256, 0, False), ("512", 512, 0, False),
+             ("512 +len", 512, 0, True), ("576", 576, 0, False), ("576/512", 576, 512, False))
 
 
 def report(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
@@ -38,16 +41,16 @@ def report(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
         return "\n".join(lines)
     dtype_name = str(dtype).replace("torch.", "")
     lines.append(f"\nkernels for {dtype_name} inputs (first that takes the call runs it):")
-    lines.append(f"{'op':<22} {'D':>4} {'H':>6}  kernel       why not the ones before it")
+    lines.append(f"{'op':<22} {'D(/d_v)':>8} {'H':>6}  kernel       why not the ones before it")
     for op, direction, det in (("sparse_mla_fwd", "forward", True),
                                ("sparse_mla_bwd fast", "backward", False),
                                ("sparse_mla_bwd determ.", "backward", True)):
-        for D in HEAD_DIMS:
+        for d_label, D, d_v, has_len in HEAD_DIMS:
             for label, H in HEAD_RANGES:
-                rows = dispatch.candidates(direction, Call(device, dtype, D, H, det))
+                rows = dispatch.candidates(direction, Call(device, dtype, D, H, det, d_v, has_len))
                 name = next(n for n, m, r in rows if r is None)
                 why = "; ".join(f"{n}: {r}" for n, m, r in rows if r)
-                lines.append(f"{op:<22} {D:>4} {label:>6}  {name:<12} {why}")
+                lines.append(f"{op:<22} {d_label:>8} {label:>6}  {name:<12} {why}")
     mode = "deterministic" if dispatch.deterministic_backward() else "fast"
     lines.append(f"\nbackward mode now: {mode} (dsv4_sparse_attn.set_deterministic_backward, "
                  "torch.use_deterministic_algorithms)")

@@ -19,8 +19,10 @@ pytestmark = pytest.mark.skipif(
     reason="needs TRITON_INTERPRET=1 set before triton is imported "
            "(tests/interpreter/conftest.py reruns these tests in a child process with it)")
 
-KERNEL_PROBLEMS = problems(D=(64, 128), H=(1, 70), T=(0, 3), K=(1, 70), N=(1, 80),
-                           dtypes=(torch.bfloat16, torch.float16), narrow_values=False)
+# D = 128 and 192 with d_v = D - 64: the V3.2 layout's 64 score-only columns, at small widths
+KERNEL_PROBLEMS = problems(D=(64, 128, 192), H=(1, 70), T=(0, 3), K=(1, 70), N=(1, 80),
+                           dtypes=(torch.bfloat16, torch.float16),
+                           narrow_values={64: [None], 128: [None, 64], 192: [128]})
 
 
 @given(KERNEL_PROBLEMS, st.booleans())
@@ -28,10 +30,10 @@ KERNEL_PROBLEMS = problems(D=(64, 128), H=(1, 70), T=(0, 3), K=(1, 70), N=(1, 80
 def test_triton_kernels_match_the_oracle(p, deterministic):
     T, H, D = p.q.shape
     scale = D ** -0.5 if p.scale is None else p.scale
-    out = torch.full_like(p.q, float("nan"))
+    out = torch.full_like(p.grad_out, float("nan"))
     lse = torch.full((T, H), float("nan"))
     forward_triton.sparse_mla_fwd(p.q, p.kv, p.idx, p.sink, scale, out=out, lse=lse,
-                                  topk_length=p.topk_length)
+                                  topk_length=p.topk_length, d_v=p.d_v)
     dq = torch.full_like(p.q, float("nan"))
     grads = kbwd.sparse_mla_bwd(p.grad_out, p.grad_lse, p.q, p.kv, out, lse, p.idx, p.sink, scale,
                                 main=backward_triton, deterministic=deterministic, grad_q=dq,

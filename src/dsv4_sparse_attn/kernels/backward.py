@@ -110,11 +110,13 @@ def _dkv_reduce_kernel(
 
 
 @triton.jit(do_not_specialize=["N"])
-def _acc_to_kv_kernel(ACC, OUT, N, D: tl.constexpr, BLOCK_N: tl.constexpr, FAKE_ORDER: tl.constexpr):
+def _acc_to_kv_kernel(ACC, OUT, N, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                      FAKE_ORDER: tl.constexpr):
     """grad_kv[n, c] = acc[n, c'] in kv's dtype, c' = c or, for the fake-ordered
-    accumulator, hopper.fake_col(c) (a permutation within each 16-column group)."""
+    accumulator, hopper.fake_col(c) (a permutation within each 16-column group).
+    BLOCK_C columns a program (a multiple of 16 dividing D)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    c = tl.arange(0, D)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     if FAKE_ORDER:
         src = (c & ~15) | (((c & 7) >> 1) << 2) | (((c >> 3) & 1) << 1) | (c & 1)
     else:
@@ -162,13 +164,14 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         grad_q = torch.empty((T, H, D), dtype=q.dtype, device=dev)
     acc = torch.zeros((N, D), dtype=torch.float32, device=dev)
     delta = torch.empty((T, H), dtype=torch.float32, device=dev)
+    d_v = grad_out.shape[-1]  # Delta runs over the value columns
     if T > 0:
-        dh = min(next_pow2(H), max(1, 8192 // D))
+        dh = min(next_pow2(H), max(1, 8192 // d_v))
         _bwd_delta_kernel[(T, triton.cdiv(H, dh))](
             out, grad_out, grad_lse if grad_lse is not None else delta, delta,
             H, out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1),
             grad_lse.stride(0) if grad_lse is not None else 0,
-            D=D, BLOCK_H=dh, HAS_DLSE=grad_lse is not None, num_warps=4,
+            D=d_v, BLOCK_H=dh, HAS_DLSE=grad_lse is not None, num_warps=4,
         )
 
     def launch(t_begin, n_tok, partial, flags):
@@ -191,7 +194,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         # (int64 keys: 8 passes, int16: 2).
         key_dtype = torch.int16 if N < 2**15 - 1 else torch.int32 if N < 2**31 - 1 else torch.int64
         rows = torch.arange(N + 1, device=dev, dtype=key_dtype)
-        block_d = min(D, 256)
+        block_d = math.gcd(D, 256)  # 256, or 64 for the 576-wide V3.2 rows
         for t0 in range(0, T, chunk):
             n_tok = min(chunk, T - t0)
             launch(t0, n_tok, partial, new_flags(n_tok))
@@ -210,10 +213,11 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
 
     grad_kv = torch.empty((N, D), dtype=kv.dtype, device=dev)
     if N > 0:
-        block_n = max(1, 4096 // D)
-        _acc_to_kv_kernel[(triton.cdiv(N, block_n),)](
-            acc, grad_kv, N, D=D, BLOCK_N=block_n, FAKE_ORDER=main.ACC_FAKE_ORDER and not deterministic,
-            num_warps=4)
+        block_c = D if D & (D - 1) == 0 else math.gcd(D, 256)  # power-of-two widths in one piece
+        block_n = max(1, 4096 // block_c)
+        _acc_to_kv_kernel[(triton.cdiv(N, block_n), D // block_c)](
+            acc, grad_kv, N, D=D, BLOCK_N=block_n, BLOCK_C=block_c,
+            FAKE_ORDER=main.ACC_FAKE_ORDER and not deterministic, num_warps=4)
     if attn_sink is not None:
         grad_sink = -(torch.exp(attn_sink[None, :] - lse) * delta).sum(0)
     else:

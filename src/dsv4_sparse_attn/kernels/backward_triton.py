@@ -44,6 +44,17 @@ def _dkv_quarter(p_mm, ds_mm, do_x, q_x, ptr, mask, ATOMIC: tl.constexpr):
         tl.store(ptr, part, mask=mask)
 
 
+@triton.jit
+def _dkv_score_only(ds_mm, q_x, ptr, mask, ATOMIC: tl.constexpr):
+    """The dKV rows of the score-only (rotary) columns, transposed: Q^T (scale dS); no
+    P^T dO term, since those columns are no value."""
+    part = tl.dot(tl.trans(q_x), ds_mm)
+    if ATOMIC:
+        tl.atomic_add(ptr, part, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptr, part, mask=mask)
+
+
 @triton.jit(do_not_specialize=_MAIN_RUNTIME_INTS)
 def _bwd_main_kernel(
     Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, PARTIAL, LEN,
@@ -57,7 +68,11 @@ def _bwd_main_kernel(
     ATOMIC: tl.constexpr,
     HAS_LEN: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    ROPE: tl.constexpr = 0,
 ):
+    # D: the value columns (dO's width); q, kv, dQ and dKV rows have W = D + ROPE columns,
+    # the last ROPE of them (the V3.2 layout's rotary part) in the scores only.
+    W: tl.constexpr = D + ROPE
     # D is handled in four quarters: dQ (4 x [BLOCK_H, D/4] fp32) stays in registers
     # for the whole loop and each dKV quarter is formed and written on its own, which
     # keeps a 64-head, 64-slot, D=512 block under 255 registers without spills.
@@ -82,6 +97,10 @@ def _bwd_main_kernel(
     do1 = load_tile(do_ptr + QD, hm, DOT_FP32)
     do2 = load_tile(do_ptr + 2 * QD, hm, DOT_FP32)
     do3 = load_tile(do_ptr + 3 * QD, hm, DOT_FP32)
+    if ROPE > 0:
+        offs_r = tl.arange(0, ROPE)[None, :]
+        q_r = load_tile(Q + pid_t * stride_qt + h64 * stride_qh + D + offs_r, hm, DOT_FP32)
+        dq_r = tl.zeros([BLOCK_H, ROPE], dtype=tl.float32)
     lse = tl.load(LSE + pid_t * stride_lt + offs_h, mask=h_mask, other=float("inf"))
     # Rows with lse = -inf (no valid slot, no sink) have P = 0 everywhere; a NaN lse
     # (a NaN sink) gives NaN P, as in the reference (docs/design.md#non-finite-values).
@@ -111,6 +130,9 @@ def _bwd_main_kernel(
         s = tl.dot(q1, tl.trans(kv1), s)
         s = tl.dot(q2, tl.trans(kv2), s)
         s = tl.dot(q3, tl.trans(kv3), s)
+        if ROPE > 0:
+            kv_r = load_tile(KV + rows[:, None] * stride_kvn + D + offs_r, vm, DOT_FP32)
+            s = tl.dot(q_r, tl.trans(kv_r), s)
         p = tl.exp2(s * scale_log2 - lse2[:, None])
         p = tl.where(row_ok[:, None] & valid[None, :], p, 0.0)
         dp = tl.dot(do0, tl.trans(kv0))
@@ -126,28 +148,35 @@ def _bwd_main_kernel(
         dq1 = tl.dot(ds_mm, kv1, dq1)
         dq2 = tl.dot(ds_mm, kv2, dq2)
         dq3 = tl.dot(ds_mm, kv3, dq3)
+        if ROPE > 0:
+            dq_r = tl.dot(ds_mm, kv_r, dq_r)
 
         # dKV rows of this slot block (summed over this program's heads), transposed.
         ds_sc = (ds * scale).to(kv0.dtype)
         p_mm = p.to(kv0.dtype)
         offs_dt = tl.arange(0, QD)[:, None]
         if ATOMIC:
-            out_ptr = DKV + rows[None, :] * D + offs_dt
+            row_ptr = DKV + rows[None, :] * W
             out_mask = valid[None, :]
         else:
-            out_ptr = (PARTIAL + ((pid_c * n_hb + pid_h) * K + offs_k[None, :].to(tl.int64)) * D
-                       + offs_dt)
+            row_ptr = PARTIAL + ((pid_c * n_hb + pid_h) * K + offs_k[None, :].to(tl.int64)) * W
             out_mask = (offs_k < K)[None, :]
+        out_ptr = row_ptr + offs_dt
         _dkv_quarter(p_mm, ds_sc, do0, q0, out_ptr, out_mask, ATOMIC)
         _dkv_quarter(p_mm, ds_sc, do1, q1, out_ptr + QD, out_mask, ATOMIC)
         _dkv_quarter(p_mm, ds_sc, do2, q2, out_ptr + 2 * QD, out_mask, ATOMIC)
         _dkv_quarter(p_mm, ds_sc, do3, q3, out_ptr + 3 * QD, out_mask, ATOMIC)
+        if ROPE > 0:
+            _dkv_score_only(ds_sc, q_r, row_ptr + D + tl.arange(0, ROPE)[:, None], out_mask, ATOMIC)
 
     dq_ptr = DQ + pid_t * stride_gt + h64 * stride_gh + offs_d
     tl.store(dq_ptr, (dq0 * scale).to(DQ.dtype.element_ty), mask=hm)
     tl.store(dq_ptr + QD, (dq1 * scale).to(DQ.dtype.element_ty), mask=hm)
     tl.store(dq_ptr + 2 * QD, (dq2 * scale).to(DQ.dtype.element_ty), mask=hm)
     tl.store(dq_ptr + 3 * QD, (dq3 * scale).to(DQ.dtype.element_ty), mask=hm)
+    if ROPE > 0:
+        tl.store(DQ + pid_t * stride_gt + h64 * stride_gh + D + offs_r,
+                 (dq_r * scale).to(DQ.dtype.element_ty), mask=hm)
 
 
 class BwdConfig(NamedTuple):
@@ -157,7 +186,7 @@ class BwdConfig(NamedTuple):
     num_stages: int
 
 
-def backward_config(D: int, H: int) -> BwdConfig:
+def backward_config(D: int, H: int, rope: int = 0) -> BwdConfig:
     """Block sizes per head dim and head count (docs/performance/backward.md#first-configurations)."""
     block_h = head_block(H)
     if D == 512:
@@ -194,9 +223,10 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
            scale_log2, paired, topk_length=None, config: BwdConfig | None = None):
     """One chunk of tokens [t_begin, t_begin + n_tok): dKV rows to ``partial``
     ([n_tok, n_hb, K, D] fp32) or, without it, added to ``acc`` ([N, D] fp32)."""
-    T, H, D = q.shape
+    T, H, W = q.shape
+    D = grad_out.shape[-1]  # the value columns; W - D score-only ones (common.ROPE_D or 0)
     N, K = kv.shape[0], indices.shape[1]
-    cfg = config or backward_config(D, H)
+    cfg = config or backward_config(D, H, rope=W - D)
     _bwd_main_kernel[(n_tok, triton.cdiv(H, cfg.BLOCK_H))](
         q, kv, indices, grad_out, lse, delta, grad_q, acc, partial if partial is not None else acc,
         topk_length if topk_length is not None else indices,
@@ -204,7 +234,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
-        D=D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, ATOMIC=partial is None,
+        D=D, ROPE=W - D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, ATOMIC=partial is None,
         HAS_LEN=topk_length is not None,
         DOT_FP32=interpreting(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -53,17 +53,26 @@ class Call(NamedTuple):
         return cls(q.device, q.dtype, D, H, deterministic, 0 if d_v == D else d_v, has_len)
 
 
+# Score-only columns after the values that the Triton kernels take (d_v = D - ROPE_D: the
+# DeepSeek-V3.2 / GLM-5 layout, 512 + 64).
+ROPE_D = 64
+
+
 def triton_rejects(call: Call) -> str | None:
     """Why the plain Triton kernels (forward and backward) do not take ``call`` (None:
-    they do): bf16/fp16 with D in SUPPORTED_D, any H, on any CUDA GPU Triton supports."""
+    they do): bf16/fp16 with D in SUPPORTED_D, or d_v in SUPPORTED_D and D = d_v + 64,
+    any H, on any CUDA GPU Triton supports."""
     if call.device.type != "cuda":
         return f"{call.device.type} tensors (the kernels run on CUDA)"
     if call.dtype not in KERNEL_DTYPES:
         return f"dtype {call.dtype} (takes bfloat16 and float16)"
+    if call.d_v:
+        if call.d_v not in SUPPORTED_D or call.D - call.d_v != ROPE_D:
+            return (f"D={call.D} with d_v={call.d_v} (takes d_v in {SUPPORTED_D} with D = d_v + {ROPE_D}, "
+                    "or d_v = D)")
+        return None
     if call.D not in SUPPORTED_D:
         return f"head dim D={call.D} (takes D in {SUPPORTED_D})"
-    if call.d_v:
-        return f"d_v={call.d_v} < D={call.D} (values narrower than keys: the reference only, for now)"
     return None
 
 

@@ -175,7 +175,8 @@ def forward(q, kv, indices, attn_sink, p, topk_length=None):
         return run_reference()
     call = Call.of(q, d_v=p.d_v, has_len=p.has_len)
     return _run("forward", call,
-                lambda mod: mod.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale, topk_length=topk_length),
+                lambda mod: mod.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale, topk_length=topk_length,
+                                               d_v=p.d_v),
                 run_reference)
 
 

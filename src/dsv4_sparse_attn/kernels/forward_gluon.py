@@ -345,11 +345,11 @@ def rejects(call) -> str | None:
     return None
 
 
-def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, topk_length=None):
+def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, topk_length=None, d_v=None):
     """Launch the Gluon forward (same contract as ``forward_triton.sparse_mla_fwd``, without
-    ``topk_length``: ``rejects`` sends such calls elsewhere)."""
-    if topk_length is not None:
-        raise ValueError("forward_gluon: topk_length is not supported (see hopper_rejects)")
+    ``topk_length`` and ``d_v``: ``rejects`` sends such calls elsewhere)."""
+    if topk_length is not None or d_v not in (None, q.shape[-1]):
+        raise ValueError("forward_gluon: topk_length and d_v < D are not supported (see hopper_rejects)")
     out, lse, args = prepare_forward(q, kv, indices, attn_sink, scale, out, lse)
     if args is None:
         return out, lse

@@ -38,7 +38,10 @@ def _sparse_mla_fwd_kernel(
     HAS_SINK: tl.constexpr,
     HAS_LEN: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    ROPE: tl.constexpr = 0,
 ):
+    # D: the value columns (out's width); q and kv rows have D + ROPE columns, the last
+    # ROPE of them (the V3.2 layout's rotary part) in the scores only.
     HALF: tl.constexpr = D // 2
     # int64 program ids: T*H*D and N*D exceed 2**31 at DeepSeek scale.
     pid_t = tl.program_id(0).to(tl.int64)
@@ -50,6 +53,10 @@ def _sparse_mla_fwd_kernel(
     q_ptr = Q + pid_t * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
     q0 = load_tile(q_ptr, h_mask[:, None], DOT_FP32)
     q1 = load_tile(q_ptr + HALF, h_mask[:, None], DOT_FP32)
+    if ROPE > 0:
+        offs_r = tl.arange(0, ROPE)
+        q_r_ptr = Q + pid_t * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh + D + offs_r[None, :]
+        q_r = load_tile(q_r_ptr, h_mask[:, None], DOT_FP32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -67,6 +74,9 @@ def _sparse_mla_fwd_kernel(
 
         s = tl.dot(q0, tl.trans(kv0))
         s = tl.dot(q1, tl.trans(kv1), s)
+        if ROPE > 0:
+            kv_r = load_tile(KV + rows[:, None] * stride_kvn + D + offs_r[None, :], valid[:, None], DOT_FP32)
+            s = tl.dot(q_r, tl.trans(kv_r), s)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -98,8 +108,9 @@ class FwdConfig(NamedTuple):
     num_stages: int
 
 
-def forward_config(D: int, H: int) -> FwdConfig:
-    """Block sizes per head dim and head count (docs/performance/forward.md#tile-warp-and-stage-sweep)."""
+def forward_config(D: int, H: int, rope: int = 0) -> FwdConfig:
+    """Block sizes per value dim, head count and score-only columns
+    (docs/performance/forward.md#tile-warp-and-stage-sweep)."""
     block_h = head_block(H)
     if D == 512:
         # 64x64 tiles, 8 warps, 2 stages: best plain-Triton point on H200.
@@ -109,13 +120,13 @@ def forward_config(D: int, H: int) -> FwdConfig:
     return FwdConfig(block_h, 64, 4, 3)
 
 
-def prepare_forward(q, kv, indices, attn_sink, scale, out=None, lse=None):
+def prepare_forward(q, kv, indices, attn_sink, scale, out=None, lse=None, d_v=None):
     """What the Triton and the Gluon forward launchers share: the outputs (allocated
     unless given) and the kernel's leading arguments (pointers, sizes, strides, scale),
     None when T == 0 (nothing to launch)."""
     T, H, D = q.shape
     if out is None:
-        out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+        out = torch.empty((T, H, D if d_v is None else d_v), dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if T == 0:
@@ -132,22 +143,24 @@ def prepare_forward(q, kv, indices, attn_sink, scale, out=None, lse=None):
 
 def sparse_mla_fwd(q, kv, indices, attn_sink, scale, config: FwdConfig | None = None,
                    out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                   topk_length: torch.Tensor | None = None):
+                   topk_length: torch.Tensor | None = None, d_v: int | None = None):
     """Launch the forward. q [T,H,D], kv [N,D] (bf16/fp16), indices [T,K] int32/int64,
-    topk_length None or int32 [T] (the slots past it are skipped).
+    topk_length None or int32 [T] (the slots past it are skipped), d_v None (D) or
+    D - 64 (the last 64 columns score only; ``triton_rejects`` has the rule).
 
     ``out``/``lse`` may be given (contiguous; tests pass poisoned buffers to catch
     unwritten elements). CPU tensors run under the Triton interpreter (tests only).
     """
-    out, lse, args = prepare_forward(q, kv, indices, attn_sink, scale, out, lse)
+    out, lse, args = prepare_forward(q, kv, indices, attn_sink, scale, out, lse, d_v)
     if args is None:
         return out, lse
     T, H, D = q.shape
-    cfg = config or forward_config(D, H)
+    dv = D if d_v is None else d_v
+    cfg = config or forward_config(dv, H, rope=D - dv)
     q_args, rest = args[:6], args[6:]
     _sparse_mla_fwd_kernel[(T, triton.cdiv(H, cfg.BLOCK_H))](
         *q_args, topk_length if topk_length is not None else indices, *rest,
-        D=D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, HAS_SINK=attn_sink is not None,
+        D=dv, ROPE=D - dv, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, HAS_SINK=attn_sink is not None,
         HAS_LEN=topk_length is not None,
         DOT_FP32=interpreting(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
