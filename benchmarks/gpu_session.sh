@@ -8,6 +8,7 @@
 #                                          # (hypothesis from .peers/wheels when not installed)
 #   bash benchmarks/gpu_session.sh sanitize-properties  # its first examples under compute-sanitizer
 #                                          # initcheck and memcheck; sanitize_case.py under initcheck
+#   bash benchmarks/gpu_session.sh features  # topk_length and the 576/512 layout (features_bench.py)
 #   bash benchmarks/gpu_session.sh triton-next  # GPU kernel tests and a quick bench under the
 #                                          # Triton unpacked from .t39/triton*.tar.xz (a stripped
 #                                          # cp312 wheel: docs/performance/method.md#another-triton)
@@ -92,6 +93,10 @@ sanitize-properties)
   echo "compute-sanitizer initcheck sanitize_case.py: exit $?" | tee -a "$OUT/sanitizer_case_initcheck.log"
   tail -3 "$OUT/sanitizer_case_initcheck.log"
   ;;
+features)
+  timeout 400 python3 benchmarks/features_bench.py 2>&1 | tee "$OUT/features.log" | grep -v '^{'
+  mkdir -p "$OUT/results" && cp benchmarks/results/*_features*.json "$OUT/results/" 2>/dev/null
+  ;;
 triton-next)
   tarball=$(ls .t39/triton*.tar.xz 2>/dev/null | head -1)
   [ -n "$tarball" ] || { echo "no .t39/triton*.tar.xz"; exit 2; }
@@ -104,6 +109,6 @@ triton-next)
     | grep -v '^{' | tail -12 | tee -a "$OUT/triton_next.log"
   ;;
 *)
-  echo "usage: bash benchmarks/gpu_session.sh tests|bench|sweep|properties|sanitize-properties|triton-next" >&2; exit 2
+  echo "usage: bash benchmarks/gpu_session.sh tests|bench|sweep|properties|sanitize-properties|features|triton-next" >&2; exit 2
   ;;
 esac

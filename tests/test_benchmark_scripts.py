@@ -17,8 +17,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
 SCRIPTS = ["bench.py", "report.py", "heads_sweep.py", "profile_bwd.py", "sanitize_case.py",
-           "fsdp_step_time.py"]
-GPU_ONLY = ["bench.py", "heads_sweep.py", "profile_bwd.py", "sanitize_case.py"]
+           "fsdp_step_time.py", "features_bench.py"]
+GPU_ONLY = ["bench.py", "heads_sweep.py", "profile_bwd.py", "sanitize_case.py", "features_bench.py"]
 # What the scripts may import: the standard library, torch, triton, matplotlib, each other,
 # and of the package its public modules (dispatch and Call: only to name the kernel that ran).
 PUBLIC = {"dsv4_sparse_attn", "dsv4_sparse_attn.testing", "dsv4_sparse_attn.kernels.dispatch",
