@@ -174,9 +174,10 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             D=d_v, BLOCK_H=dh, HAS_DLSE=grad_lse is not None, num_warps=4,
         )
 
+    if topk_length is not None:
+        main_options = dict(main_options, topk_length=topk_length)
+
     def launch(t_begin, n_tok, partial, flags):
-        if topk_length is not None:
-            main_options["topk_length"] = topk_length
         main.launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
                     scale * LOG2E, paired, **main_options)
 
@@ -194,6 +195,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         # (int64 keys: 8 passes, int16: 2).
         key_dtype = torch.int16 if N < 2**15 - 1 else torch.int32 if N < 2**31 - 1 else torch.int64
         rows = torch.arange(N + 1, device=dev, dtype=key_dtype)
+        slots = torch.arange(K, device=dev)[None, :]
         block_d = math.gcd(D, 256)  # 256, or 64 for the 576-wide V3.2 rows
         for t0 in range(0, T, chunk):
             n_tok = min(chunk, T - t0)
@@ -202,7 +204,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             ids = indices[t0:t0 + n_tok]
             valid = (ids >= 0) & (ids < N)
             if topk_length is not None:  # slots past a token's length: no partial row was written
-                valid &= torch.arange(K, device=dev)[None, :] < topk_length[t0:t0 + n_tok, None]
+                valid &= slots < topk_length[t0:t0 + n_tok, None]
             ids = torch.where(valid, ids, N).reshape(-1).to(key_dtype)
             sorted_ids, order = torch.sort(ids, stable=True)
             seg = torch.searchsorted(sorted_ids, rows)
