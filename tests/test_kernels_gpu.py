@@ -4,12 +4,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+import dsv4_sparse_attn
 from kernel_checks import Case, check_backward, check_forward, make_case
 from dsv4_sparse_attn.kernels import backward as kbwd
-from dsv4_sparse_attn.kernels import backward_triton
+from dsv4_sparse_attn.kernels import backward_triton, dispatch
 from dsv4_sparse_attn.kernels import forward_triton as kfwd
 from dsv4_sparse_attn.kernels.common import Call
 from dsv4_sparse_attn.kernels.forward_gluon import MIN_HEADS as GLUON_FWD_MIN_HEADS
+from helpers import deepseek_indices, oracle_bwd, oracle_fwd, relerr
 
 pytestmark = [
     pytest.mark.gpu,
@@ -290,3 +292,38 @@ def test_op_runs_the_gluon_kernels_on_hopper(deterministic):
         dsv4.set_deterministic_backward(None)
     assert not dispatch._broken, dispatch._broken
     assert torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "fast"])
+@pytest.mark.parametrize("layout", ["lengths", "v32", "v32-lengths"])
+def test_lengths_and_the_v32_layout_through_the_ops(layout, deterministic):
+    """topk_length (values past K and negative included) and the 576/512 layout through the
+    ops: the Triton kernels run them (the Gluon ones step aside), against the float64 oracle."""
+    T, H, N, K = 9, 64, 700, 640
+    D, d_v = (576, 512) if layout.startswith("v32") else (512, None)
+    torch.manual_seed(0)
+    q = torch.randn(T, H, D, device=DEV).to(BF)
+    kv = torch.randn(N, D, device=DEV).to(BF)
+    idx = deepseek_indices(T, K, n_pool=N - T, device=DEV).clamp(max=N - 1)
+    length = None
+    if layout.endswith("lengths"):
+        length = torch.tensor([0, 1, 64, 65, 200, 639, 640, 900, -3], dtype=torch.int32, device=DEV)
+    sink = torch.randn(H, device=DEV)
+    do = torch.randn(T, H, d_v or D, device=DEV).to(BF)
+    dlse = torch.randn(T, H, device=DEV)
+    call = Call.of(q, deterministic, d_v=d_v or D, has_len=length is not None)
+    assert [dispatch.choose(direction, call)[0] for direction in ("forward", "backward")] == ["triton"] * 2
+    dsv4_sparse_attn.set_deterministic_backward(deterministic)
+    try:
+        out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, None, length, d_v)
+        gq, gkv, gs = torch.ops.dsv4.sparse_mla_bwd(do, dlse, q, kv, out, lse, idx, sink, None, length,
+                                                    d_v)
+    finally:
+        dsv4_sparse_attn.set_deterministic_backward(None)
+    ro, rl = oracle_fwd(q, kv, idx, sink, None, length, d_v)
+    rq, rkv, rs = oracle_bwd(do, dlse, q, kv, idx, sink, None, length, d_v)
+    assert out.shape == (T, H, d_v or D) and gq.shape == q.shape and gkv.shape == kv.shape
+    errs = dict(out=relerr(out, ro), lse=relerr(lse, rl), dq=relerr(gq, rq), dkv=relerr(gkv, rkv),
+                dsink=relerr(gs, rs))
+    assert errs["out"] < 2e-2 and errs["lse"] < 1e-3 and errs["dsink"] < 2e-2, errs
+    assert errs["dq"] < 3e-2 and errs["dkv"] < 3e-2, errs
