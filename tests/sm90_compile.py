@@ -175,7 +175,7 @@ def compile_forward(D: int, H: int, cfg=None, has_sink=True, run_ptxas=True, has
     """``D``: the value columns; ``rope``: score-only columns after them (the V3.2 layout: 64)."""
     from dsv4_sparse_attn.kernels import forward_triton as F
 
-    cfg = cfg or F.forward_config(D, H, rope=rope)
+    cfg = cfg or F.forward_config(D, H)
     consts = dict(D=D, ROPE=rope, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, HAS_SINK=has_sink,
                   HAS_LEN=has_len, DOT_FP32=False)
     return compile_sm90(F._sparse_mla_fwd_kernel, FWD_TYPES, consts, cfg.num_warps, cfg.num_stages,
@@ -186,7 +186,7 @@ def compile_backward(D: int, H: int, cfg=None, atomic=False, run_ptxas=True, has
                      rope=0) -> dict:
     from dsv4_sparse_attn.kernels import backward_triton as B
 
-    cfg = cfg or B.backward_config(D, H, rope=rope)
+    cfg = cfg or B.backward_config(D, H)
     consts = dict(D=D, ROPE=rope, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, ATOMIC=atomic, HAS_LEN=has_len,
                   DOT_FP32=False)
     return compile_sm90(B._bwd_main_kernel, BWD_TYPES, consts, cfg.num_warps, cfg.num_stages,

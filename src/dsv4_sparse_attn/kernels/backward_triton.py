@@ -186,7 +186,7 @@ class BwdConfig(NamedTuple):
     num_stages: int
 
 
-def backward_config(D: int, H: int, rope: int = 0) -> BwdConfig:
+def backward_config(D: int, H: int) -> BwdConfig:
     """Block sizes per head dim and head count (docs/performance/backward.md#first-configurations)."""
     block_h = head_block(H)
     if D == 512:
@@ -226,7 +226,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     T, H, W = q.shape
     D = grad_out.shape[-1]  # the value columns; W - D score-only ones (common.ROPE_D or 0)
     N, K = kv.shape[0], indices.shape[1]
-    cfg = config or backward_config(D, H, rope=W - D)
+    cfg = config or backward_config(D, H)
     _bwd_main_kernel[(n_tok, triton.cdiv(H, cfg.BLOCK_H))](
         q, kv, indices, grad_out, lse, delta, grad_q, acc, partial if partial is not None else acc,
         topk_length if topk_length is not None else indices,

@@ -108,9 +108,9 @@ class FwdConfig(NamedTuple):
     num_stages: int
 
 
-def forward_config(D: int, H: int, rope: int = 0) -> FwdConfig:
-    """Block sizes per value dim, head count and score-only columns
-    (docs/performance/forward.md#tile-warp-and-stage-sweep)."""
+def forward_config(D: int, H: int) -> FwdConfig:
+    """Block sizes per value dim and head count (the 64 score-only columns of the V3.2 layout
+    fit the same tiles; docs/performance/forward.md#tile-warp-and-stage-sweep)."""
     block_h = head_block(H)
     if D == 512:
         # 64x64 tiles, 8 warps, 2 stages: best plain-Triton point on H200.
@@ -156,7 +156,7 @@ def sparse_mla_fwd(q, kv, indices, attn_sink, scale, config: FwdConfig | None = 
         return out, lse
     T, H, D = q.shape
     dv = D if d_v is None else d_v
-    cfg = config or forward_config(dv, H, rope=D - dv)
+    cfg = config or forward_config(dv, H)
     q_args, rest = args[:6], args[6:]
     _sparse_mla_fwd_kernel[(T, triton.cdiv(H, cfg.BLOCK_H))](
         *q_args, topk_length if topk_length is not None else indices, *rest,
