@@ -35,13 +35,15 @@ class Case:
     idx_dtype: torch.dtype = torch.int32
     noncontig: bool = False
     sink_scale: float = 1.0
+    lengths: bool = False  # a per-token topk_length (make_lengths)
 
     def __str__(self):
         d = str(self.dtype).replace("torch.", "")
         i = str(self.idx_dtype).replace("torch.", "")
         return (f"T{self.T}-H{self.H}-D{self.D}-N{self.N}-K{self.K}-{d}-{i}-{self.ids}"
                 f"{'-sink' if self.sink else ''}{'-nc' if self.noncontig else ''}"
-                f"{'-sink%g' % self.sink_scale if self.sink_scale != 1 else ''}")
+                f"{'-sink%g' % self.sink_scale if self.sink_scale != 1 else ''}"
+                f"{'-len' if self.lengths else ''}")
 
 
 def make_indices(c: Case, device) -> torch.Tensor:
@@ -85,14 +87,26 @@ def make_case(c: Case, device, requires_grad=False):
     return q, kv, idx, sink
 
 
+def make_lengths(c: Case, device):
+    """topk_length for a ``lengths`` case (else None): int32 [T], uniform in [-2, K + 2]
+    (the kernels clamp to [0, K]), with 0, 1 and K among them; seeded per case."""
+    if not c.lengths:
+        return None
+    g = torch.Generator().manual_seed(zlib.crc32(str(c).encode()) + 1)
+    length = torch.randint(-2, c.K + 3, (c.T,), generator=g, dtype=torch.int32)
+    length[: 3] = torch.tensor([0, 1, c.K], dtype=torch.int32)[: c.T]
+    return length.to(device)
+
+
 def run_forward(c: Case, device, fwd=None):
     """``fwd``: the launcher under test (default: the Triton kernel)."""
     fwd = fwd or kfwd.sparse_mla_fwd
     q, kv, idx, sink = make_case(c, device)
+    length = make_lengths(c, device)
     out = torch.full((c.T, c.H, c.D), float("nan"), dtype=c.dtype, device=device)
     lse = torch.full((c.T, c.H), float("nan"), dtype=torch.float32, device=device)
-    fwd(q, kv, idx, sink, c.D ** -0.5, out=out, lse=lse)
-    ro, rl = oracle_fwd(q, kv, idx, sink)
+    fwd(q, kv, idx, sink, c.D ** -0.5, out=out, lse=lse, topk_length=length)
+    ro, rl = oracle_fwd(q, kv, idx, sink, None, length)
     return dict(out=relerr(out, ro), lse=relerr(lse, rl)), (q, kv, idx, sink, out, lse)
 
 
@@ -115,7 +129,8 @@ def check_backward(c: Case, device, deterministic=True, with_dlse=True, main=Non
     """``main``: the backward's main-kernel module (default ``backward_triton``; the GPU
     tests also pass ``backward_gluon``)."""
     q, kv, idx, sink = make_case(c, device)
-    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5)
+    length = make_lengths(c, device)
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5, topk_length=length)
     do = torch.randn_like(out)
     dlse = torch.randn_like(lse) if with_dlse else None
     if c.noncontig:  # strided head dims, like gradients autograd hands over
@@ -126,8 +141,9 @@ def check_backward(c: Case, device, deterministic=True, with_dlse=True, main=Non
         lse = torch.stack([lse, torch.full_like(lse, 1e4)], 2).flatten(1)[:, ::2]
     dq = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
     gq, gkv, gs = kbwd.sparse_mla_bwd(do, dlse, q, kv, out, lse, idx, sink, c.D ** -0.5,
-                                      main=main or backward_triton, deterministic=deterministic, grad_q=dq)
-    rq, rkv, rs = oracle_bwd(do, dlse, q, kv, idx, sink)
+                                      main=main or backward_triton, deterministic=deterministic, grad_q=dq,
+                                      topk_length=length)
+    rq, rkv, rs = oracle_bwd(do, dlse, q, kv, idx, sink, None, length)
     tol = TOL[c.dtype]
     errs = dict(dq=relerr(gq, rq), dkv=relerr(gkv, rkv))
     if sink is not None:

@@ -193,20 +193,20 @@ def compile_backward(D: int, H: int, cfg=None, atomic=False, run_ptxas=True, has
                         BWD_DIV16, run_ptxas)
 
 
-def compile_forward_gluon(has_sink=True, run_ptxas=True) -> dict:
+def compile_forward_gluon(has_sink=True, run_ptxas=True, has_len=False) -> dict:
     from dsv4_sparse_attn.kernels import forward_gluon as G
     from dsv4_sparse_attn.kernels import hopper
 
-    consts = dict(D=512, HAS_SINK=has_sink)
+    consts = dict(D=512, HAS_SINK=has_sink, HAS_LEN=has_len)
     return compile_sm90(G._sparse_mla_fwd_gluon_kernel, FWD_TYPES, consts, hopper.NUM_WARPS, 1,
                         FWD_DIV16, run_ptxas, maxnreg=hopper.MAXNREG)
 
 
-def compile_backward_gluon(red=False, run_ptxas=True) -> dict:
+def compile_backward_gluon(red=False, run_ptxas=True, has_len=False) -> dict:
     """``red``: the fast mode (16-byte reductions); else the deterministic partial rows."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
     from dsv4_sparse_attn.kernels import hopper
 
-    consts = dict(D=512, RED=red)
+    consts = dict(D=512, RED=red, HAS_LEN=has_len)
     return compile_sm90(G._bwd_main_gluon_kernel, BWD_TYPES, consts, hopper.NUM_WARPS, 1, BWD_DIV16,
                         run_ptxas, maxnreg=hopper.MAXNREG)

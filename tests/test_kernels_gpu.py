@@ -7,7 +7,7 @@ import torch
 import dsv4_sparse_attn
 from kernel_checks import Case, check_backward, check_forward, make_case
 from dsv4_sparse_attn.kernels import backward as kbwd
-from dsv4_sparse_attn.kernels import backward_triton, dispatch
+from dsv4_sparse_attn.kernels import backward_triton, dispatch, hopper
 from dsv4_sparse_attn.kernels import forward_triton as kfwd
 from dsv4_sparse_attn.kernels.common import Call
 from dsv4_sparse_attn.kernels.forward_gluon import MIN_HEADS as GLUON_FWD_MIN_HEADS
@@ -48,6 +48,9 @@ CASES = [
     Case(8, 20, 256, 100, 50, dtype=FP, idx_dtype=I64),
     Case(8, 64, 512, 100, 96, noncontig=True),
     Case(8, 5, 128, 100, 33, noncontig=True, sink=False),
+    # per-token lengths
+    Case(8, 64, 512, 100, 96, ids="dup", lengths=True),
+    Case(9, 70, 256, 90, 65, lengths=True, sink=False),
 ]
 
 
@@ -67,6 +70,10 @@ _GLUON_EXTRA = [
     # fewer heads than a tile's 64 rows (padding rows masked)
     Case(5, 24, 512, 300, 640, ids="deepseek"),
     Case(200, 40, 512, 300, 130, ids="deepseek"),
+    # per-token lengths: tiles of different block counts in one program (running phases)
+    Case(300, 128, 512, 700, 300, ids="deepseek", lengths=True),
+    Case(400, 64, 512, 500, 200, lengths=True, sink=False),
+    Case(200, 40, 512, 300, 130, ids="deepseek", lengths=True),
 ]
 # The shapes the dispatcher gives each Gluon kernel: the forward from MIN_HEADS, the
 # backward's main kernel at any H (deterministic) and from MIN_ATOMIC_HEADS (atomic); the
@@ -298,7 +305,8 @@ def test_op_runs_the_gluon_kernels_on_hopper(deterministic):
 @pytest.mark.parametrize("layout", ["lengths", "v32", "v32-lengths"])
 def test_lengths_and_the_v32_layout_through_the_ops(layout, deterministic):
     """topk_length (values past K and negative included) and the 576/512 layout through the
-    ops: the Triton kernels run them (the Gluon ones step aside), against the float64 oracle."""
+    ops, against the float64 oracle: the Gluon kernels run the lengths at D = 512 on sm_90,
+    the Triton ones the 576/512 layout."""
     T, H, N, K = 9, 64, 700, 640
     D, d_v = (576, 512) if layout.startswith("v32") else (512, None)
     torch.manual_seed(0)
@@ -308,11 +316,14 @@ def test_lengths_and_the_v32_layout_through_the_ops(layout, deterministic):
     length = None
     if layout.endswith("lengths"):
         length = torch.tensor([0, 1, 64, 65, 200, 639, 640, 900, -3], dtype=torch.int32, device=DEV)
+        if layout == "lengths":  # a strided view (stride 2), as a slice of a wider tensor gives
+            length = length.repeat_interleave(2)[::2]
     sink = torch.randn(H, device=DEV)
     do = torch.randn(T, H, d_v or D, device=DEV).to(BF)
     dlse = torch.randn(T, H, device=DEV)
     call = Call.of(q, deterministic, d_v=d_v or D, has_len=length is not None)
-    assert [dispatch.choose(direction, call)[0] for direction in ("forward", "backward")] == ["triton"] * 2
+    want = "gluon_sm90" if not d_v and hopper.hopper_rejects(call) is None else "triton"
+    assert [dispatch.choose(direction, call)[0] for direction in ("forward", "backward")] == [want] * 2
     dsv4_sparse_attn.set_deterministic_backward(deterministic)
     try:
         out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, None, length, d_v)

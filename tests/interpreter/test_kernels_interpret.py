@@ -35,6 +35,7 @@ CASES = [
     Case(4, 4, 64, 30, 20, dtype=FP, sink_scale=-30.0),
     Case(4, 4, 64, 30, 20, dtype=FP, noncontig=True, sink=False),
     Case(2, 2, 256, 30, 9, dtype=FP),
+    Case(6, 4, 64, 30, 70, dtype=FP, lengths=True),
 ]
 
 

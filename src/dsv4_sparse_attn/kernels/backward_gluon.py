@@ -70,8 +70,8 @@ _QD = gl.constexpr(128)  # D quarter: D = 512 only
 
 
 @gluon.jit
-def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank):
-    Q, DO, KV, IDX = io
+def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr):
+    Q, DO, KV, IDX, LEN = io
     H, N, K = sizes
     stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it = strides
     q_smem, do_smem, kv_smem, bars = smem
@@ -80,9 +80,11 @@ def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank):
     offs_r = gl.arange(0, _BK, layout=gl.SliceLayout(1, ld))
     n_hb = gl.cdiv(H, _BH)
     tcount = 0
+    bcount = 0  # slot blocks gathered so far (the barriers' phases)
     for tile in range(rank, n_tiles, gl.num_programs(0)):
         pid_t = t_begin + (tile // n_hb).to(gl.int64)
         pid_h = tile % n_hb
+        k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN)
         # q and dO of this tile, once both consumers are done with the previous tile's
         # (a fresh mbarrier counts its phase "1" as complete: the first wait passes).
         mbarrier.wait(bars.index(_QD_FREE), (tcount & 1) ^ 1)
@@ -97,36 +99,56 @@ def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank):
         cp.mbarrier_arrive(bars.index(_QD_READY), increment_count=False)
 
         idx_row = IDX + pid_t * stride_it
-        ids = load_ids(idx_row, 0, K, offs_r)
-        g0 = tcount * nb
-        for j in range(0, nb):
+        ids = load_ids(idx_row, 0, k_end, offs_r)
+        for j in range(0, nb_t):
             free_phase = ((g0 + j) & 1) ^ 1
             ids64 = ids.to(gl.int64)
             valid = (ids64 >= 0) & (ids64 < N)
             rows = gl.where(valid, ids64, 0)  # masked ids never form an address (zero rows)
             ptrs = KV + rows[:, None] * stride_kvn + offs_d[None, :]
             vm = valid[:, None]
-            ids = load_ids(idx_row, (j + 1) * _BK, K, offs_r)  # next block's ids, ahead
+            ids = load_ids(idx_row, (j + 1) * _BK, k_end, offs_r)  # next block's ids, ahead
             for half in gl.static_range(2):
                 mbarrier.wait(bars.index(_KV_FREE + half), free_phase)
                 async_load(kv_smem.index(2 * half), ptrs + (2 * half) * _QD, mask=vm)
                 async_load(kv_smem.index(2 * half + 1), ptrs + (2 * half + 1) * _QD, mask=vm)
                 cp.mbarrier_arrive(bars.index(_KV_READY + half), increment_count=False)
         tcount += 1
+        bcount += nb_t
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, RED: gl.constexpr):
+def _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN: gl.constexpr):
+    """A tile's slot count, its 64-slot blocks and the blocks before it (the barriers'
+    phases): K, ``nb`` and ``tcount * nb`` without lengths; with them, the token's length
+    clamped to [0, K] and the running count ``bcount`` (tiles differ)."""
+    if HAS_LEN:
+        k_end = gl.minimum(gl.maximum(gl.load(LEN + pid_t), 0), K)
+        nb_t = gl.cdiv(k_end, _BK)
+        g0 = bcount
+    else:
+        k_end = K
+        nb_t = nb
+        g0 = tcount * nb
+    return k_end, nb_t, g0
+
+
+@gluon.jit
+def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr):
     io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired = args
     H, N, K = sizes
+    LEN = io[7]
     n_hb = gl.cdiv(H, _BH)
     tcount = 0
+    bcount = 0  # slot blocks consumed so far (the barriers' phases)
     for tile in range(rank, n_tiles, gl.num_programs(0)):
         pid_c = (tile // n_hb).to(gl.int64)  # token within the chunk
         pid_h = tile % n_hb
-        _consume_tile(io, sizes, strides, smem, scales, nb, pid_c, t_begin + pid_c, pid_h, n_hb, tcount,
-                      paired, n_tiles, rank, WG, RED)
+        k_end, nb_t, g0 = _tile_blocks(LEN, t_begin + pid_c, K, nb, tcount, bcount, HAS_LEN)
+        _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c, pid_h,
+                      n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN)
         tcount += 1
+        bcount += nb_t
 
 
 @gluon.jit
@@ -158,10 +180,12 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr):
 
 
 @gluon.jit
-def _consume_tile(io, sizes, strides, smem, scales, nb, pid_c, pid_t, pid_h, n_hb, tcount, paired, n_tiles,
-                  rank, WG: gl.constexpr, RED: gl.constexpr):
-    """One (token, 64-head block) tile of consumer ``WG`` (0 or 1)."""
-    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS = io
+def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb, tcount,
+                  paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr):
+    """One (token, 64-head block) tile of consumer ``WG`` (0 or 1): slot blocks 0..nb_t-1
+    (the first of them the barriers' ``g0``-th), ids past slot ``k_end`` masked; ``nb``
+    blocks per token in the partial-row buffer."""
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
     q_smem, do_smem, kv_smem, p_smem, ds_smem, bars = smem
@@ -196,7 +220,6 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, pid_c, pid_t, pid_h, n_h
     dkv_zero = gl.zeros([_BK, 64], gl.float32, layout=s_l)
     dq0 = dq_zero
     dq1 = dq_zero
-    g0 = tcount * nb
     # Deterministic path with head blocks in pairs (``paired``, n_hb even): the even
     # block of a pair stores its partial rows and counts, per consumer, the slot blocks
     # it has published; the odd one waits for that count and adds its rows with one
@@ -222,7 +245,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, pid_c, pid_t, pid_h, n_h
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
-    for j in range(0, nb):
+    for j in range(0, nb_t):
         g = g0 + j
         ph = g & 1
         # z is 0 (grid z = 1) but unknown to the compiler: the shared-memory descriptors
@@ -232,7 +255,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, pid_c, pid_t, pid_h, n_h
         # of stalls on L1TEX scoreboards; -8% backward time once P and dS got this too).
         z = j * gl.program_id(2)
         if g % 2 == WG:  # my block: S, dP, P and dS
-            ids = load_ids(idx_row, j * _BK, K + z, offs_c)  # (K + z: see the load of ids_k below)
+            ids = load_ids(idx_row, j * _BK, k_end + z, offs_c)  # (k_end + z: see the load of ids_k below)
             mbarrier.wait(bars.index(_KV_READY + 0), ph)
             fence_async_shared()
             s = warpgroup_mma(q_smem.index(z), kv_smem.index(z).permute((1, 0)), s_zero, use_acc=False,
@@ -252,6 +275,11 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, pid_c, pid_t, pid_h, n_h
             p = gl.exp2(s * scale_log2 - lse2[:, None])
             p = gl.where(row_ok[:, None] & valid[None, :], p, 0.0)
             ds = p * (dp - delta[:, None]) * scale
+            # (Unlike the Triton kernel, no mask on dS past the token's length: it cost 4-5
+            # spill reloads per block under Triton 3.6. A slot there has P = 0 and a zero kv
+            # row, so its dS is 0 unless Delta is not finite, and then every slot of the
+            # visited block, which holds at least one slot within the length, already makes
+            # this dQ row NaN.)
             # Publish once both consumers are done with the previous block's P and dS.
             mbarrier.wait(bars.index(_PDS_FREE), ph ^ 1)
             p_smem.index(z).store(p.to(dtype))
@@ -273,7 +301,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, pid_c, pid_t, pid_h, n_h
         if RED:
             # (the bound K + z is not loop-invariant either: Triton 3.9 otherwise turns the
             # mask into per-element 64-bit bounds, hoists them out of the loop and spills them)
-            ids_k = load_ids(idx_row, j * _BK, K + z, offs_kz).to(gl.int64)
+            ids_k = load_ids(idx_row, j * _BK, k_end + z, offs_kz).to(gl.int64)
             valid_k = (ids_k >= 0) & (ids_k < N)
             # A masked slot adds nothing (its reductions are predicated off): no row is
             # touched for it, so a NaN in an unselected row stays there. (Adding masked
@@ -331,13 +359,14 @@ _RUNTIME_INTS = ["H", "N", "K", "t_begin", "n_tiles", "paired", "stride_it", "st
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_main_gluon_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS,
+    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN,
     H, N, K, t_begin, n_tiles, paired,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh,
     stride_lt, stride_gt, stride_gh,
     scale, scale_log2,
     D: gl.constexpr,
     RED: gl.constexpr,
+    HAS_LEN: gl.constexpr,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512")
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -366,14 +395,16 @@ def _bwd_main_gluon_kernel(
     # even tile (the rank below) has started, so its wait always ends.
     rank = gl.atomic_add(FLAGS, 1, sem="relaxed")
     sizes = (H, N, K)
-    c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS), sizes,
+    c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN), sizes,
               (stride_it, stride_lt, stride_gt, stride_gh), (q_smem, do_smem, kv_smem, p_smem, ds_smem, bars),
               (scale, scale_log2), t_begin, n_tiles, nb, rank, paired)
-    p_args = ((Q, DO, KV, IDX), sizes, (stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it),
-              (q_smem, do_smem, kv_smem, bars), t_begin, n_tiles, nb, rank)
+    p_args = ((Q, DO, KV, IDX, LEN), sizes,
+              (stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it),
+              (q_smem, do_smem, kv_smem, bars), t_begin, n_tiles, nb, rank, HAS_LEN)
     # The producer is the default partition (ptxas compiles it under MAXNREG; the
     # consumers get setmaxnreg budgets).
-    gl.warp_specialize([(_producer, p_args), (_consumer, (c_args, 0, RED)), (_consumer, (c_args, 1, RED))],
+    gl.warp_specialize([(_producer, p_args), (_consumer, (c_args, 0, RED, HAS_LEN)),
+                        (_consumer, (c_args, 1, RED, HAS_LEN))],
                        [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
@@ -406,11 +437,12 @@ def flags_per_chunk(n_tok: int, n_hb: int) -> int:
 
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
-           scale_log2, paired):
+           scale_log2, paired, topk_length=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
-    ``flags``: ``flags_per_chunk`` int32 zeros."""
+    ``flags``: ``flags_per_chunk`` int32 zeros. ``topk_length``: int32 [T] or None; a
+    tile visits the 64-slot blocks that hold its token's slots."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
@@ -422,11 +454,12 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         grid -= grid % 2
     _bwd_main_gluon_kernel[(grid,)](
         q, kv, indices, grad_out, lse, delta, grad_q, acc, partial if partial is not None else acc, flags,
+        topk_length if topk_length is not None else indices,
         H, N, K, t_begin, n_tiles, int(paired),
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
-        D=D, RED=partial is None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+        D=D, RED=partial is None, HAS_LEN=topk_length is not None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
 
 

@@ -167,12 +167,18 @@ def _no_work(p) -> bool:
     return min(p.T, p.H, p.K, p.N) == 0
 
 
+def _dense(topk_length):
+    """The kernels read token t's length at ``LEN + t``: a strided [T] view is copied."""
+    return topk_length.contiguous() if topk_length is not None else None
+
+
 def forward(q, kv, indices, attn_sink, p, topk_length=None):
     def run_reference():
         return reference.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale, topk_length, p.d_v)
 
     if _no_work(p):
         return run_reference()
+    topk_length = _dense(topk_length)
     call = Call.of(q, d_v=p.d_v, has_len=p.has_len)
     return _run("forward", call,
                 lambda mod: mod.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale, topk_length=topk_length,
@@ -187,6 +193,7 @@ def backward(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p, topk_le
 
     if _no_work(p):
         return run_reference()
+    topk_length = _dense(topk_length)
     det = deterministic_backward()
     call = Call.of(q, det, d_v=p.d_v, has_len=p.has_len)
     return _run("backward", call,

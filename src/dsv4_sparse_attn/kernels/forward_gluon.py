@@ -58,8 +58,8 @@ _BH = gl.constexpr(64)  # heads of a tile
 
 
 @gluon.jit
-def _producer(io, sizes, strides, smem, n_pairs):
-    Q, KV, IDX = io
+def _producer(io, sizes, strides, smem, n_pairs, HAS_LEN: gl.constexpr):
+    Q, KV, IDX, LEN = io
     T, H, N, K = sizes
     stride_qt, stride_qh, stride_kvn, stride_it = strides
     q_smem, kv_smem, bars = smem
@@ -69,9 +69,11 @@ def _producer(io, sizes, strides, smem, n_pairs):
     n_hb = gl.cdiv(H, _BH)
     n_tiles = T * n_hb
     tcount = 0
+    pcount = 0  # block pairs gathered so far (the ring's phases)
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         pid_t = (tile // n_hb).to(gl.int64)
         pid_h = tile % n_hb
+        k_end, n_pairs_t, pair0 = _tile_pairs(LEN, pid_t, K, n_pairs, tcount, pcount, HAS_LEN)
         # q of this tile, once both consumers' last S of the previous tile is done (a
         # fresh mbarrier counts its phase "1" as complete: the first wait passes).
         mbarrier.wait(bars.index(_Q_FREE), (tcount & 1) ^ 1)
@@ -82,13 +84,33 @@ def _producer(io, sizes, strides, smem, n_pairs):
         async_load(q_smem.index(1), q_ptrs + _DH, mask=h_ok)
         cp.mbarrier_arrive(bars.index(_Q_READY), increment_count=False)
         idx_row = IDX + pid_t * stride_it
-        _produce_tile(KV, idx_row, N, K, stride_kvn, kv_smem, bars, n_pairs, tcount * n_pairs, offs_r, offs_d)
+        _produce_tile(KV, idx_row, N, k_end, stride_kvn, kv_smem, bars, n_pairs_t, pair0, offs_r, offs_d,
+                      HAS_LEN)
         tcount += 1
+        pcount += n_pairs_t
 
 
 @gluon.jit
-def _produce_tile(KV, idx_row, N, K, stride_kvn, kv_smem, bars, n_pairs, pair0, offs_r, offs_d):
-    """Gather the kv rows of one tile's blocks into the ring (``pair0``: pairs gathered before)."""
+def _tile_pairs(LEN, pid_t, K, n_pairs, tcount, pcount, HAS_LEN: gl.constexpr):
+    """A tile's slot count, its 64-slot block pairs and the pairs before it (the ring's
+    phases): K, ``n_pairs`` and ``tcount * n_pairs`` without lengths; with them, the token's
+    length clamped to [0, K] and the running count ``pcount`` (tiles differ)."""
+    if HAS_LEN:
+        k_end = gl.minimum(gl.maximum(gl.load(LEN + pid_t), 0), K)
+        n_pairs_t = gl.cdiv(gl.cdiv(k_end, _BK), 2)
+        pair0 = pcount
+    else:
+        k_end = K
+        n_pairs_t = n_pairs
+        pair0 = tcount * n_pairs
+    return k_end, n_pairs_t, pair0
+
+
+@gluon.jit
+def _produce_tile(KV, idx_row, N, K, stride_kvn, kv_smem, bars, n_pairs, pair0, offs_r, offs_d,
+                  HAS_LEN: gl.constexpr):
+    """Gather the kv rows of one tile's blocks into the ring (``pair0``: pairs gathered
+    before; ``K``: the tile's slot count, ids past it masked)."""
     ids = load_ids(idx_row, 0, K, offs_r)
     for j in range(0, 2 * n_pairs):
         b = j % 2
@@ -101,7 +123,8 @@ def _produce_tile(KV, idx_row, N, K, stride_kvn, kv_smem, bars, n_pairs, pair0, 
         ids = load_ids(idx_row, (j + 1) * _BK, K, offs_r)  # next block's ids, ahead
         for half in gl.static_range(2):
             mbarrier.wait(bars.index(_KV_FREE + 2 * b + half), free_phase)
-            async_load(kv_smem.index(2 * b + half), ptrs + half * _DH, mask=vm)
+            if (not HAS_LEN) or j * _BK < K:  # (a block past the length: no reader)
+                async_load(kv_smem.index(2 * b + half), ptrs + half * _DH, mask=vm)
             cp.mbarrier_arrive(bars.index(_KV_READY + 2 * b + half), increment_count=False)
 
 
@@ -125,7 +148,7 @@ def _rescale_to(m_cur, m_new):
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, HAS_SINK: gl.constexpr):
+def _consumer(args, WG: gl.constexpr, HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr):
     """Consumer ``WG`` (0 or 1): S of blocks j = WG mod 2, O[:, WG*DH:(WG+1)*DH] of every block."""
     io, sizes, strides, smem, n_pairs, scale_log2 = args
     T, H, N, K = sizes
@@ -135,23 +158,140 @@ def _consumer(args, WG: gl.constexpr, HAS_SINK: gl.constexpr):
 
     offs_c = gl.arange(0, _BK, layout=col_l)
     s_zero = gl.zeros([_BH, _BK], gl.float32, layout=s_layout)
+    LEN = io[4]
     n_hb = gl.cdiv(H, _BH)
     n_tiles = T * n_hb
     tcount = 0
+    pcount = 0  # block pairs consumed so far (the ring's phases)
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         pid_t = (tile // n_hb).to(gl.int64)
         pid_h = tile % n_hb
-        _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, tcount, offs_c, s_zero,
-                      WG, HAS_SINK)
+        k_end, n_pairs_t, pair0 = _tile_pairs(LEN, pid_t, K, n_pairs, tcount, pcount, HAS_LEN)
+        _consume_tile(io, sizes, strides, smem, n_pairs_t, scale_log2, pid_t, pid_h, tcount, pair0, k_end,
+                      offs_c, s_zero, WG, HAS_SINK, HAS_LEN)
         tcount += 1
+        pcount += n_pairs_t
 
 
 @gluon.jit
-def _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, tcount, offs_c, s_zero,
-                  WG: gl.constexpr, HAS_SINK: gl.constexpr):
-    """One (token, 64-head block) tile of consumer ``WG``."""
-    IDX, SINK, OUT, LSE = io
-    T, H, N, K = sizes
+def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, HAS_LEN: gl.constexpr):
+    """Block pair ``i`` of a tile for consumer ``WG``: S and P of block 2i + WG, both
+    blocks' P V on this consumer's D half. Returns (acc, l_i, m_cur, ids)."""
+    q_smem, kv_smem, p_smem, m_smem, l_smem, bars = smem
+    i, ph, n_pairs, idx_row, N, K, scale_log2, offs_c, s_zero = pair
+    BK: gl.constexpr = _BK
+    dtype: gl.constexpr = q_smem.dtype
+    row_l: gl.constexpr = gl.SliceLayout(1, s_zero.type.layout)
+    orow_l: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    # z is 0 (grid z = 1) but unknown to the compiler: the shared-memory descriptors
+    # are formed in the loop instead of hoisted out of it and spilled.
+    z = i * gl.program_id(2)
+    mine = kv_smem.index(2 * WG + z)
+    mine_hi = kv_smem.index(2 * WG + 1 + z)
+    # S of my block (2i + WG): both D halves of my buffer.
+    # (the first D half's product starts while the second half is still landing)
+    mbarrier.wait(bars.index(_KV_READY + 2 * WG), ph)
+    fence_async_shared()
+    s = warpgroup_mma(q_smem.index(z), mine.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(bars.index(_KV_READY + 2 * WG + 1), ph)
+    fence_async_shared()
+    s = warpgroup_mma(q_smem.index(z + 1), mine_hi.permute((1, 0)), s, is_async=True)
+    my_ids = ids
+    ids = load_ids(idx_row, (2 * i + 2 + WG) * BK, K, offs_c)
+
+    if WG == 1:
+        # Block 2i (consumer 0's): its max is my starting point; apply its P to my half
+        # while my S runs.
+        mbarrier.wait(bars.index(_P_READY + 0), ph)
+        m_prev = m_smem.index(0).load(row_l)
+        alpha0 = _rescale_to(m_cur, m_prev)
+        l_i = l_i * alpha0
+        acc = acc * gl.convert_layout(alpha0, orow_l)[:, None]
+        m_cur = m_prev
+        mbarrier.wait(bars.index(_KV_READY + 1), ph)
+        acc = warpgroup_mma(p_smem.index(0), kv_smem.index(1), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+    else:
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    # After the tile's last S, q may be replaced by the next tile's.
+    mbarrier.arrive(bars.index(_Q_FREE), pred=i == n_pairs - 1)
+
+    p, m_new, alpha, l_i = _softmax_block(s, my_ids, N, m_cur, l_i, scale_log2)
+    # Publish P and the new running max (once the other consumer is done with the
+    # previous P in this slot).
+    mbarrier.wait(bars.index(_P_FREE + WG), ph ^ 1)
+    p_smem.index(WG).store(p.to(dtype))
+    m_smem.index(WG).store(m_new)
+    fence_async_shared()
+    mbarrier.arrive(bars.index(_P_READY + WG))
+
+    if WG == 1:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(bars.index(_KV_FREE + 1))  # buffer 0, D half 1: S and both PVs done
+        mbarrier.arrive(bars.index(_P_FREE + 0))
+    acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+    m_cur = m_new
+    acc = warpgroup_mma(p_smem.index(WG), kv_smem.index(2 * WG + WG), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    if WG == 0:
+        mbarrier.arrive(bars.index(_KV_FREE + 0))  # buffer 0, D half 0
+        # Block 2i + 1 (consumer 1's): rescale to its max, apply its P to my half.
+        mbarrier.wait(bars.index(_P_READY + 1), ph)
+        m_next = m_smem.index(1).load(row_l)
+        alpha1 = _rescale_to(m_cur, m_next)
+        l_i = l_i * alpha1
+        acc = acc * gl.convert_layout(alpha1, orow_l)[:, None]
+        m_cur = m_next
+        mbarrier.wait(bars.index(_KV_READY + 2), ph)
+        if (not HAS_LEN) or (2 * i + 1) * BK < K:  # (an odd block past the length has P = 0)
+            acc = warpgroup_mma(p_smem.index(1), kv_smem.index(2), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(bars.index(_KV_FREE + 2))  # buffer 1, D half 0
+        mbarrier.arrive(bars.index(_P_FREE + 1))
+    else:
+        mbarrier.arrive(bars.index(_KV_FREE + 3))  # buffer 1, D half 1
+    return acc, l_i, m_cur, ids
+
+
+@gluon.jit
+def _consume_dead_odd_block(smem, pair, acc, l_i, m_cur, ids):
+    """Consumer 1's side of a pair whose odd block lies past the token's length (lengths
+    only): block 2i's P V as in ``_consume_pair``, then no S, no P and no P V for block
+    2i + 1, only the hand-offs that keep every barrier's phase (its max, unchanged, goes to
+    consumer 0, which skips that block's P V too). Returns (acc, l_i, m_cur, ids)."""
+    q_smem, kv_smem, p_smem, m_smem, l_smem, bars = smem
+    i, ph, n_pairs, idx_row, N, K, scale_log2, offs_c, s_zero = pair
+    row_l: gl.constexpr = gl.SliceLayout(1, s_zero.type.layout)
+    orow_l: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    mbarrier.wait(bars.index(_KV_READY + 2), ph)  # (nothing gathered: phases only)
+    mbarrier.wait(bars.index(_KV_READY + 3), ph)
+    mbarrier.wait(bars.index(_P_READY + 0), ph)
+    m_prev = m_smem.index(0).load(row_l)
+    alpha0 = _rescale_to(m_cur, m_prev)
+    l_i = l_i * alpha0
+    acc = acc * gl.convert_layout(alpha0, orow_l)[:, None]
+    m_cur = m_prev
+    mbarrier.wait(bars.index(_KV_READY + 1), ph)
+    acc = warpgroup_mma(p_smem.index(0), kv_smem.index(1), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(bars.index(_Q_FREE), pred=i == n_pairs - 1)
+    mbarrier.wait(bars.index(_P_FREE + 1), ph ^ 1)
+    m_smem.index(1).store(m_cur)
+    fence_async_shared()
+    mbarrier.arrive(bars.index(_P_READY + 1))
+    mbarrier.arrive(bars.index(_KV_FREE + 1))
+    mbarrier.arrive(bars.index(_P_FREE + 0))
+    mbarrier.arrive(bars.index(_KV_FREE + 3))
+    return acc, l_i, m_cur, ids
+
+
+@gluon.jit
+def _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, tcount, pair0, K, offs_c,
+                  s_zero, WG: gl.constexpr, HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr):
+    """One (token, 64-head block) tile of consumer ``WG``: ``n_pairs`` block pairs, the
+    first of them the ring's ``pair0``-th, ids past slot ``K`` masked."""
+    IDX, SINK, OUT, LSE, LEN = io
+    T, H, N, _ = sizes
     stride_it, stride_ot, stride_oh, stride_lt = strides
     q_smem, kv_smem, p_smem, m_smem, l_smem, bars = smem
     BH: gl.constexpr = _BH
@@ -168,77 +308,18 @@ def _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, t
     m_cur = gl.full([BH], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([BH], gl.float32, layout=row_l)
     acc = gl.zeros([BH, DH], gl.float32, layout=o_layout)
-    pair0 = tcount * n_pairs
 
     mbarrier.wait(bars.index(_Q_READY), tcount & 1)
     for i in range(0, n_pairs):
         ph = (pair0 + i) & 1
-        # z is 0 (grid z = 1) but unknown to the compiler: the shared-memory descriptors
-        # are formed in the loop instead of hoisted out of it and spilled.
-        z = i * gl.program_id(2)
-        mine = kv_smem.index(2 * WG + z)
-        mine_hi = kv_smem.index(2 * WG + 1 + z)
-        # S of my block (2i + WG): both D halves of my buffer.
-        # (the first D half's product starts while the second half is still landing)
-        mbarrier.wait(bars.index(_KV_READY + 2 * WG), ph)
-        fence_async_shared()
-        s = warpgroup_mma(q_smem.index(z), mine.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(bars.index(_KV_READY + 2 * WG + 1), ph)
-        fence_async_shared()
-        s = warpgroup_mma(q_smem.index(z + 1), mine_hi.permute((1, 0)), s, is_async=True)
-        my_ids = ids
-        ids = load_ids(idx_row, (2 * i + 2 + WG) * BK, K, offs_c)
-
-        if WG == 1:
-            # Block 2i (consumer 0's): its max is my starting point; apply its P to my half
-            # while my S runs.
-            mbarrier.wait(bars.index(_P_READY + 0), ph)
-            m_prev = m_smem.index(0).load(row_l)
-            alpha0 = _rescale_to(m_cur, m_prev)
-            l_i = l_i * alpha0
-            acc = acc * gl.convert_layout(alpha0, orow_l)[:, None]
-            m_cur = m_prev
-            mbarrier.wait(bars.index(_KV_READY + 1), ph)
-            acc = warpgroup_mma(p_smem.index(0), kv_smem.index(1), acc, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        pair = (i, ph, n_pairs, idx_row, N, K, scale_log2, offs_c, s_zero)
+        if HAS_LEN and WG == 1:
+            if (2 * i + 1) * BK < K:
+                acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, HAS_LEN)
+            else:  # the pair's odd block is all past the token's length
+                acc, l_i, m_cur, ids = _consume_dead_odd_block(smem, pair, acc, l_i, m_cur, ids)
         else:
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        # After the tile's last S, q may be replaced by the next tile's.
-        mbarrier.arrive(bars.index(_Q_FREE), pred=i == n_pairs - 1)
-
-        p, m_new, alpha, l_i = _softmax_block(s, my_ids, N, m_cur, l_i, scale_log2)
-        # Publish P and the new running max (once the other consumer is done with the
-        # previous P in this slot).
-        mbarrier.wait(bars.index(_P_FREE + WG), ph ^ 1)
-        p_smem.index(WG).store(p.to(dtype))
-        m_smem.index(WG).store(m_new)
-        fence_async_shared()
-        mbarrier.arrive(bars.index(_P_READY + WG))
-
-        if WG == 1:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(bars.index(_KV_FREE + 1))  # buffer 0, D half 1: S and both PVs done
-            mbarrier.arrive(bars.index(_P_FREE + 0))
-        acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
-        m_cur = m_new
-        acc = warpgroup_mma(p_smem.index(WG), kv_smem.index(2 * WG + WG), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        if WG == 0:
-            mbarrier.arrive(bars.index(_KV_FREE + 0))  # buffer 0, D half 0
-            # Block 2i + 1 (consumer 1's): rescale to its max, apply its P to my half.
-            mbarrier.wait(bars.index(_P_READY + 1), ph)
-            m_next = m_smem.index(1).load(row_l)
-            alpha1 = _rescale_to(m_cur, m_next)
-            l_i = l_i * alpha1
-            acc = acc * gl.convert_layout(alpha1, orow_l)[:, None]
-            m_cur = m_next
-            mbarrier.wait(bars.index(_KV_READY + 2), ph)
-            acc = warpgroup_mma(p_smem.index(1), kv_smem.index(2), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(bars.index(_KV_FREE + 2))  # buffer 1, D half 0
-            mbarrier.arrive(bars.index(_P_FREE + 1))
-        else:
-            mbarrier.arrive(bars.index(_KV_FREE + 3))  # buffer 1, D half 1
+            acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, HAS_LEN)
 
     mbarrier.arrive(bars.index(_Q_FREE), pred=n_pairs == 0)  # K = 0: no S read q
 
@@ -284,9 +365,10 @@ def _sparse_mla_fwd_gluon_kernel(
     Q, KV, IDX, SINK, OUT, LSE,
     T, H, N, K,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
-    scale_log2,
+    scale_log2, LEN,
     D: gl.constexpr,
     HAS_SINK: gl.constexpr,
+    HAS_LEN: gl.constexpr,
 ):
     gl.static_assert(D == 2 * _DH, "the Gluon forward takes D = 512")
     BH: gl.constexpr = _BH
@@ -314,14 +396,14 @@ def _sparse_mla_fwd_gluon_kernel(
 
     n_pairs = gl.cdiv(gl.cdiv(K, BK), 2)
     sizes = (T, H, N, K)
-    c_args = ((IDX, SINK, OUT, LSE), sizes, (stride_it, stride_ot, stride_oh, stride_lt),
+    c_args = ((IDX, SINK, OUT, LSE, LEN), sizes, (stride_it, stride_ot, stride_oh, stride_lt),
               (q_smem, kv_smem, p_smem, m_smem, l_smem, bars), n_pairs, scale_log2)
-    p_args = ((Q, KV, IDX), sizes, (stride_qt, stride_qh, stride_kvn, stride_it), (q_smem, kv_smem, bars),
-              n_pairs)
+    p_args = ((Q, KV, IDX, LEN), sizes, (stride_qt, stride_qh, stride_kvn, stride_it),
+              (q_smem, kv_smem, bars), n_pairs, HAS_LEN)
     # The producer is the default partition: ptxas compiles it under the kernel's
     # register limit (MAXNREG), the consumers under their own (setmaxnreg).
-    gl.warp_specialize([(_producer, p_args), (_consumer, (c_args, 0, HAS_SINK)),
-                        (_consumer, (c_args, 1, HAS_SINK))],
+    gl.warp_specialize([(_producer, p_args), (_consumer, (c_args, 0, HAS_SINK, HAS_LEN)),
+                        (_consumer, (c_args, 1, HAS_SINK, HAS_LEN))],
                        [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
@@ -347,9 +429,10 @@ def rejects(call) -> str | None:
 
 def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, topk_length=None, d_v=None):
     """Launch the Gluon forward (same contract as ``forward_triton.sparse_mla_fwd``, without
-    ``topk_length`` and ``d_v``: ``rejects`` sends such calls elsewhere)."""
-    if topk_length is not None or d_v not in (None, q.shape[-1]):
-        raise ValueError("forward_gluon: topk_length and d_v < D are not supported (see hopper_rejects)")
+    ``d_v``: ``rejects`` sends such calls elsewhere). With ``topk_length`` each tile visits
+    the 128-slot block pairs that hold its token's slots."""
+    if d_v not in (None, q.shape[-1]):
+        raise ValueError("forward_gluon: d_v < D is not supported (see hopper_rejects)")
     out, lse, args = prepare_forward(q, kv, indices, attn_sink, scale, out, lse)
     if args is None:
         return out, lse
@@ -359,6 +442,8 @@ def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, topk_le
     # tile's q and first kv blocks load while this tile finishes.
     grid = (min(n_tiles, cuda_properties(q.device).multi_processor_count),)
     _sparse_mla_fwd_gluon_kernel[grid](
-        *args, D=D, HAS_SINK=attn_sink is not None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+        *args, topk_length if topk_length is not None else indices,
+        D=D, HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None,
+        num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
     return out, lse

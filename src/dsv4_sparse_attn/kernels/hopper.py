@@ -143,8 +143,6 @@ def hopper_rejects(call) -> str | None:
         return f"head dim D={call.D} (takes D = 512)"
     if call.d_v:
         return f"d_v={call.d_v} < D={call.D} (values narrower than keys)"
-    if call.has_len:
-        return "a per-token topk_length (the Triton kernels skip the slots past it)"
     return None
 
 
