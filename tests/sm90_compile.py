@@ -161,10 +161,12 @@ def wgmma_register_bases() -> list:
 
 
 FWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", SINK="*fp32", OUT="*bf16", LSE="*fp32", LEN="*i32",
+                 ORDER="*i32",
                  scale_log2="fp32")
 FWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_ot", "stride_oh")
 BWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", DO="*bf16", LSE="*fp32", DELTA="*fp32",
                  DQ="*bf16", DKV="*fp32", ACC="*fp32", PARTIAL="*fp32", FLAGS="*i32", LEN="*i32",
+                 ORDER="*i32",
                  scale="fp32",
                  scale_log2="fp32")
 BWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_dt", "stride_dh", "stride_gt", "stride_gh")
@@ -202,11 +204,13 @@ def compile_forward_gluon(has_sink=True, run_ptxas=True, has_len=False) -> dict:
                         FWD_DIV16, run_ptxas, maxnreg=hopper.MAXNREG)
 
 
-def compile_backward_gluon(red=False, run_ptxas=True, has_len=False) -> dict:
-    """``red``: the fast mode (16-byte reductions); else the deterministic partial rows."""
+def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None) -> dict:
+    """``red``: the fast mode (16-byte reductions, in whole lines unless ``lines`` is False;
+    default: as the launcher does); else the deterministic partial rows."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
     from dsv4_sparse_attn.kernels import hopper
 
-    consts = dict(D=512, RED=red, HAS_LEN=has_len)
+    lines = G.RED_LINES if lines is None else lines
+    consts = dict(D=512, RED=(2 if lines else 1) if red else 0, HAS_LEN=has_len)
     return compile_sm90(G._bwd_main_gluon_kernel, BWD_TYPES, consts, hopper.NUM_WARPS, 1, BWD_DIV16,
                         run_ptxas, maxnreg=hopper.MAXNREG)

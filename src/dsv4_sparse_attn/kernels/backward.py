@@ -176,20 +176,26 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
 
     if topk_length is not None:
         main_options = dict(main_options, topk_length=topk_length)
+    orders = None  # a main kernel with a ``schedule`` orders each chunk's tokens by length
 
     def launch(t_begin, n_tok, partial, flags):
+        opts = main_options if orders is None else dict(main_options, order=orders[t_begin:t_begin + n_tok])
         main.launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
-                    scale * LOG2E, paired, **main_options)
+                    scale * LOG2E, paired, **opts)
 
     def new_flags(n_tok):
         n = main.flags_per_chunk(n_tok, n_hb)
         return torch.zeros((n,), dtype=torch.int32, device=dev) if n else None
 
     if T > 0 and not deterministic:
+        if topk_length is not None and hasattr(main, "schedule"):
+            orders = main.schedule(topk_length, T, H, paired)
         launch(0, T, None, new_flags(T))
     elif T > 0:
         n_sm = cuda_properties(dev).multi_processor_count if dev.type == "cuda" else 0
         chunk = chunk_tokens(T, n_part, k_stride, D, PARTIAL_BYTES, n_sm)
+        if topk_length is not None and hasattr(main, "schedule"):
+            orders = main.schedule(topk_length, chunk, H, paired)
         partial = torch.empty((chunk, n_part, k_stride, D), dtype=torch.float32, device=dev)
         # Sort keys as narrow as N allows: the radix sort makes one pass per key byte
         # (int64 keys: 8 passes, int16: 2).

@@ -43,13 +43,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .common import cuda_properties
-from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, fake_group_base,
-                     hopper_rejects, load_ids, red_f32x4_fake, thread_barrier)
+from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, balanced_order,
+                     fake_group_base, hopper_rejects, load_ids, red_f32x4_fake, red_f32x4_lines,
+                     thread_barrier, tile_token)
 
 NAME = "gluon_sm90"
 BLOCK_H = 64  # heads of a tile (fewer heads: the tile's other rows are masked)
 BLOCK_K = 64  # slots of a block: partial rows are padded to whole blocks
 ACC_FAKE_ORDER = True  # the fast mode's accumulator is in fake column order
+# The fast mode's reductions: whole 128-byte lines per instruction (hopper.red_f32x4_lines)
+# or half lines (hopper.red_f32x4_fake); ``launch(lines=...)`` overrides it for A/B runs.
+# Whole lines: 2-7% faster at T = 4096 on the H200 under Triton 3.6, with no spill reload
+# in the block loops; under Triton 3.9 they double the loops' reloads (28 -> 56), so there
+# the half lines stay (docs/performance/backward.md#whole-lines-per-reduction).
+RED_LINES = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9)
 
 # mbarrier slots
 _QD_READY = gl.constexpr(0)
@@ -71,7 +78,7 @@ _QD = gl.constexpr(128)  # D quarter: D = 512 only
 
 @gluon.jit
 def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr):
-    Q, DO, KV, IDX, LEN = io
+    Q, DO, KV, IDX, LEN, ORDER = io
     H, N, K = sizes
     stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it = strides
     q_smem, do_smem, kv_smem, bars = smem
@@ -82,7 +89,7 @@ def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.
     tcount = 0
     bcount = 0  # slot blocks gathered so far (the barriers' phases)
     for tile in range(rank, n_tiles, gl.num_programs(0)):
-        pid_t = t_begin + (tile // n_hb).to(gl.int64)
+        pid_t = t_begin + tile_token(ORDER, tile // n_hb, HAS_LEN)
         pid_h = tile % n_hb
         k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN)
         # q and dO of this tile, once both consumers are done with the previous tile's
@@ -123,7 +130,9 @@ def _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN: gl.constexpr):
     phases): K, ``nb`` and ``tcount * nb`` without lengths; with them, the token's length
     clamped to [0, K] and the running count ``bcount`` (tiles differ)."""
     if HAS_LEN:
-        k_end = gl.minimum(gl.maximum(gl.load(LEN + pid_t), 0), K)
+        # (.to: without lengths LEN is a dummy pointer, the ids, which may be int64; the
+        # branch is still type-checked)
+        k_end = gl.minimum(gl.maximum(gl.load(LEN + pid_t).to(gl.int32), 0), K)
         nb_t = gl.cdiv(k_end, _BK)
         g0 = bcount
     else:
@@ -138,11 +147,12 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr):
     io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired = args
     H, N, K = sizes
     LEN = io[7]
+    ORDER = io[8]
     n_hb = gl.cdiv(H, _BH)
     tcount = 0
     bcount = 0  # slot blocks consumed so far (the barriers' phases)
     for tile in range(rank, n_tiles, gl.num_programs(0)):
-        pid_c = (tile // n_hb).to(gl.int64)  # token within the chunk
+        pid_c = tile_token(ORDER, tile // n_hb, HAS_LEN)  # token within the chunk
         pid_h = tile % n_hb
         k_end, nb_t, g0 = _tile_blocks(LEN, t_begin + pid_c, K, nb, tcount, bcount, HAS_LEN)
         _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c, pid_h,
@@ -167,8 +177,11 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr):
     accumulator (``RED``; only the slots whose ``on`` is 1), or a partial row: stored, or
     (the follower of a head-block pair) added once to the leader's."""
     if RED:
-        red_f32x4_fake(fake_group_base(row_ptr, offs_d), acc,
-                       gl.full(acc.shape, 1, gl.int32, acc.type.layout) * on[:, None])
+        on_el = gl.full(acc.shape, 1, gl.int32, acc.type.layout) * on[:, None]
+        if RED == 2:  # whole 128-byte lines per instruction
+            red_f32x4_lines(fake_group_base(row_ptr, offs_d), acc, on_el)
+        else:
+            red_f32x4_fake(fake_group_base(row_ptr, offs_d), acc, on_el)
     else:
         ptrs = row_ptr[:, None] + offs_d[None, :]
         if follower:
@@ -185,7 +198,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1): slot blocks 0..nb_t-1
     (the first of them the barriers' ``g0``-th), ids past slot ``k_end`` masked; ``nb``
     blocks per token in the partial-row buffer."""
-    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN = io
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
     q_smem, do_smem, kv_smem, p_smem, ds_smem, bars = smem
@@ -359,7 +372,7 @@ _RUNTIME_INTS = ["H", "N", "K", "t_begin", "n_tiles", "paired", "stride_it", "st
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_main_gluon_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN,
+    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER,
     H, N, K, t_begin, n_tiles, paired,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh,
     stride_lt, stride_gt, stride_gh,
@@ -395,10 +408,10 @@ def _bwd_main_gluon_kernel(
     # even tile (the rank below) has started, so its wait always ends.
     rank = gl.atomic_add(FLAGS, 1, sem="relaxed")
     sizes = (H, N, K)
-    c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN), sizes,
+    c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER), sizes,
               (stride_it, stride_lt, stride_gt, stride_gh), (q_smem, do_smem, kv_smem, p_smem, ds_smem, bars),
               (scale, scale_log2), t_begin, n_tiles, nb, rank, paired)
-    p_args = ((Q, DO, KV, IDX, LEN), sizes,
+    p_args = ((Q, DO, KV, IDX, LEN, ORDER), sizes,
               (stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it),
               (q_smem, do_smem, kv_smem, bars), t_begin, n_tiles, nb, rank, HAS_LEN)
     # The producer is the default partition (ptxas compiles it under MAXNREG; the
@@ -437,30 +450,46 @@ def flags_per_chunk(n_tok: int, n_hb: int) -> int:
 
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
-           scale_log2, paired, topk_length=None):
+           scale_log2, paired, topk_length=None, lines=None, order=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
     ``flags``: ``flags_per_chunk`` int32 zeros. ``topk_length``: int32 [T] or None; a
-    tile visits the 64-slot blocks that hold its token's slots."""
+    tile visits the 64-slot blocks that hold its token's slots, the chunk's tokens taken in
+    ``order`` (this chunk's part of ``schedule``; computed here when None)."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
     n_tiles = n_tok * n_hb
     if paired and (partial is None or n_hb % 2):
         raise ValueError("head blocks pair up only on the partial-row path, with an even count")
-    grid = min(n_tiles, cuda_properties(q.device).multi_processor_count)
-    if paired:  # an even program count keeps both tiles of a pair in the same round
-        grid -= grid % 2
+    grid = _programs(n_tiles, q.device, paired)
+    if topk_length is not None and order is None:
+        order = schedule(topk_length[t_begin:t_begin + n_tok], n_tok, H, paired)
     _bwd_main_gluon_kernel[(grid,)](
         q, kv, indices, grad_out, lse, delta, grad_q, acc, partial if partial is not None else acc, flags,
-        topk_length if topk_length is not None else indices,
+        topk_length if topk_length is not None else indices, order if order is not None else indices,
         H, N, K, t_begin, n_tiles, int(paired),
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
-        D=D, RED=partial is None, HAS_LEN=topk_length is not None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+        D=D, RED=0 if partial is not None else 2 if (RED_LINES if lines is None else lines) else 1,
+        HAS_LEN=topk_length is not None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
+
+
+def _programs(n_tiles: int, device, paired: bool) -> int:
+    grid = min(n_tiles, cuda_properties(device).multi_processor_count)
+    if paired:  # an even program count keeps both tiles of a pair in the same round
+        grid -= grid % 2
+    return grid
+
+
+def schedule(topk_length, chunk: int, H: int, paired: bool):
+    """With lengths the tiles differ in work: the order in which each chunk's programs take
+    its tokens (``hopper.balanced_order``), for all chunks of a call at once."""
+    n_hb = triton.cdiv(H, BLOCK_H)
+    return balanced_order(topk_length, chunk, _programs(chunk * n_hb, topk_length.device, paired), n_hb)
 
 
 def tile_heads(D: int, H: int) -> int:

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .common import cuda_properties
 from .forward_triton import FWD_RUNTIME_INTS, prepare_forward
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, finish_softmax,
-                     hopper_rejects, load_ids)
+                     balanced_order, hopper_rejects, load_ids, tile_token)
 
 BLOCK_H = 64
 
@@ -59,7 +59,7 @@ _BH = gl.constexpr(64)  # heads of a tile
 
 @gluon.jit
 def _producer(io, sizes, strides, smem, n_pairs, HAS_LEN: gl.constexpr):
-    Q, KV, IDX, LEN = io
+    Q, KV, IDX, LEN, ORDER = io
     T, H, N, K = sizes
     stride_qt, stride_qh, stride_kvn, stride_it = strides
     q_smem, kv_smem, bars = smem
@@ -71,7 +71,7 @@ def _producer(io, sizes, strides, smem, n_pairs, HAS_LEN: gl.constexpr):
     tcount = 0
     pcount = 0  # block pairs gathered so far (the ring's phases)
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        pid_t = (tile // n_hb).to(gl.int64)
+        pid_t = tile_token(ORDER, tile // n_hb, HAS_LEN)
         pid_h = tile % n_hb
         k_end, n_pairs_t, pair0 = _tile_pairs(LEN, pid_t, K, n_pairs, tcount, pcount, HAS_LEN)
         # q of this tile, once both consumers' last S of the previous tile is done (a
@@ -96,7 +96,9 @@ def _tile_pairs(LEN, pid_t, K, n_pairs, tcount, pcount, HAS_LEN: gl.constexpr):
     phases): K, ``n_pairs`` and ``tcount * n_pairs`` without lengths; with them, the token's
     length clamped to [0, K] and the running count ``pcount`` (tiles differ)."""
     if HAS_LEN:
-        k_end = gl.minimum(gl.maximum(gl.load(LEN + pid_t), 0), K)
+        # (.to: without lengths LEN is a dummy pointer, the ids, which may be int64; the
+        # branch is still type-checked)
+        k_end = gl.minimum(gl.maximum(gl.load(LEN + pid_t).to(gl.int32), 0), K)
         n_pairs_t = gl.cdiv(gl.cdiv(k_end, _BK), 2)
         pair0 = pcount
     else:
@@ -159,12 +161,13 @@ def _consumer(args, WG: gl.constexpr, HAS_SINK: gl.constexpr, HAS_LEN: gl.conste
     offs_c = gl.arange(0, _BK, layout=col_l)
     s_zero = gl.zeros([_BH, _BK], gl.float32, layout=s_layout)
     LEN = io[4]
+    ORDER = io[5]
     n_hb = gl.cdiv(H, _BH)
     n_tiles = T * n_hb
     tcount = 0
     pcount = 0  # block pairs consumed so far (the ring's phases)
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        pid_t = (tile // n_hb).to(gl.int64)
+        pid_t = tile_token(ORDER, tile // n_hb, HAS_LEN)
         pid_h = tile % n_hb
         k_end, n_pairs_t, pair0 = _tile_pairs(LEN, pid_t, K, n_pairs, tcount, pcount, HAS_LEN)
         _consume_tile(io, sizes, strides, smem, n_pairs_t, scale_log2, pid_t, pid_h, tcount, pair0, k_end,
@@ -290,7 +293,7 @@ def _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, t
                   s_zero, WG: gl.constexpr, HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG``: ``n_pairs`` block pairs, the
     first of them the ring's ``pair0``-th, ids past slot ``K`` masked."""
-    IDX, SINK, OUT, LSE, LEN = io
+    IDX, SINK, OUT, LSE, LEN, ORDER = io
     T, H, N, _ = sizes
     stride_it, stride_ot, stride_oh, stride_lt = strides
     q_smem, kv_smem, p_smem, m_smem, l_smem, bars = smem
@@ -365,7 +368,7 @@ def _sparse_mla_fwd_gluon_kernel(
     Q, KV, IDX, SINK, OUT, LSE,
     T, H, N, K,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, stride_lt,
-    scale_log2, LEN,
+    scale_log2, LEN, ORDER,
     D: gl.constexpr,
     HAS_SINK: gl.constexpr,
     HAS_LEN: gl.constexpr,
@@ -396,9 +399,9 @@ def _sparse_mla_fwd_gluon_kernel(
 
     n_pairs = gl.cdiv(gl.cdiv(K, BK), 2)
     sizes = (T, H, N, K)
-    c_args = ((IDX, SINK, OUT, LSE, LEN), sizes, (stride_it, stride_ot, stride_oh, stride_lt),
+    c_args = ((IDX, SINK, OUT, LSE, LEN, ORDER), sizes, (stride_it, stride_ot, stride_oh, stride_lt),
               (q_smem, kv_smem, p_smem, m_smem, l_smem, bars), n_pairs, scale_log2)
-    p_args = ((Q, KV, IDX, LEN), sizes, (stride_qt, stride_qh, stride_kvn, stride_it),
+    p_args = ((Q, KV, IDX, LEN, ORDER), sizes, (stride_qt, stride_qh, stride_kvn, stride_it),
               (q_smem, kv_smem, bars), n_pairs, HAS_LEN)
     # The producer is the default partition: ptxas compiles it under the kernel's
     # register limit (MAXNREG), the consumers under their own (setmaxnreg).
@@ -441,8 +444,12 @@ def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, topk_le
     # Persistent: one program per SM walks the (token, head block) tiles, so the next
     # tile's q and first kv blocks load while this tile finishes.
     grid = (min(n_tiles, cuda_properties(q.device).multi_processor_count),)
+    # With lengths the tiles differ in work: the programs take the tokens in an order that
+    # balances them (the static round robin would otherwise decide the slowest program).
+    order = balanced_order(topk_length, T, grid[0], triton.cdiv(H, BLOCK_H)) if topk_length is not None \
+        else None
     _sparse_mla_fwd_gluon_kernel[grid](
-        *args, topk_length if topk_length is not None else indices,
+        *args, topk_length if topk_length is not None else indices, order if order is not None else indices,
         D=D, HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None,
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )

@@ -1,0 +1,90 @@
+"""The fast backward's dKV reductions as half lines (``hopper.red_f32x4_fake``: a warp's
+16-byte reduction instruction adds 8 rows x 64 bytes) against whole lines
+(``hopper.red_f32x4_lines``: 4 rows x 128 bytes, quads exchanging halves with shuffles),
+timed in one process next to the deterministic backward and cuDNN's.
+
+    PYTHONPATH=src:/tmp/cudnn_site python benchmarks/experiments/red_lines_bench.py [PEER_DIR]
+
+Inputs as in ``dkv_modes_bench.py`` (cuDNN's side-by-side ids: a window of 128, then
+distinct pool rows). grad_kv of both variants is checked against the deterministic one.
+"""
+import json
+import sys
+
+import torch
+import triton
+
+import dsv4_sparse_attn  # noqa: F401
+from dsv4_sparse_attn.kernels import backward as kbwd
+from dsv4_sparse_attn.kernels import backward_gluon
+
+dev = "cuda"
+D = 512
+peer = sys.argv[1] if len(sys.argv) > 1 else None
+cudnn_peer = None
+if peer:
+    sys.path.insert(0, peer)
+    try:
+        import cudnn_peer
+    except Exception as e:  # noqa: BLE001
+        print("no cudnn peer:", e)
+
+
+def ids(T, K, N, g):
+    t = torch.arange(T, device=dev)
+    w = min(128, K)
+    win = t[:, None] - torch.arange(w, device=dev)[None, :]
+    win = torch.where(win >= 0, win, -1)
+    pool = torch.argsort(torch.rand(T, N - T, device=dev, generator=g), dim=1)[:, :K - w] + T
+    return torch.cat([win, pool], 1).int()
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+
+
+def relerr(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+shapes = [(4096, 64, 640), (4096, 128, 1152), (4096, 128, 512), (4096, 16, 1152), (4096, 32, 1152),
+          (32768, 64, 640), (32768, 128, 1152)]
+for T, H, K in shapes:
+    g = torch.Generator(device=dev).manual_seed(T + H + K)
+    N = T + max(T // 4, K)
+    q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(N, D, device=dev, dtype=torch.bfloat16, generator=g)
+    idx = ids(T, K, N, g)
+    sink = torch.linspace(-2, 2, H, device=dev)
+    do = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16, generator=g)
+    scale = D ** -0.5
+    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)
+    fl = 10 * T * H * K * D
+    r = dict(T=T, H=H, K=K)
+
+    def run(det, lines=None):
+        opts = {} if det else dict(lines=lines)
+        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon,
+                                   deterministic=det, **opts)
+
+    ref = run(True)
+    r["det_ms"] = bench(lambda: run(True))
+    for name, lines in (("half", False), ("lines", True)):
+        got = run(False, lines)
+        r[f"{name}_err_dkv"] = relerr(got[1].float(), ref[1].float())
+        r[f"{name}_err_dq"] = relerr(got[0].float(), ref[0].float())
+        r[f"{name}_ms"] = bench(lambda: run(False, lines))
+    if cudnn_peer is not None:
+        try:
+            fc = cudnn_peer.make_bwd(q, kv, idx, sink, scale, out, lse, do)
+            fc()
+            r["cudnn_ms"] = bench(fc)
+        except Exception as e:  # noqa: BLE001
+            r["cudnn_error"] = str(e)[:200]
+    for k in list(r):
+        if k.endswith("_ms"):
+            r[k.replace("_ms", "_tflops")] = round(fl / r[k] / 1e9, 1)
+    print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+    q = kv = idx = do = out = lse = ref = None
+    torch.cuda.empty_cache()
