@@ -54,3 +54,127 @@ def test_fake_col_is_a_permutation_within_16_column_groups():
     f = fake_col(c)
     assert torch.equal(torch.sort(f).values, c)
     assert torch.equal(f // 16, c // 16)
+
+
+def _lines_asm() -> list[str]:
+    """The PTX statements of ``hopper.red_f32x4_lines``, from its source."""
+    import inspect
+    import re
+
+    from dsv4_sparse_attn.kernels import hopper
+
+    src = inspect.getsource(hopper)
+    body = src[src.index("def red_f32x4_lines"):]
+    asm = body[body.index('"""{', body.index('inline_asm_elementwise')) + 4: body.index('}"""')]
+    stmts = [s.strip() for line in asm.splitlines() for s in line.split(";")]
+    return [s for s in stmts if s and not s.startswith(".reg") and not re.match(r"mov\.b32 \$\d+, 0", s)]
+
+
+def _run_ptx(stmts, regs):
+    """Replay the asm for the 32 lanes of a warp (``regs``: one dict per lane, operands and
+    %laneid filled in). Returns the reductions: [(lane, byte address, values)] per instruction."""
+    import re
+
+    reds = []
+
+    def val(lane, x):
+        x = x.strip()
+        return regs[lane][x] if x in regs[lane] else int(x, 0)
+
+    for st in stmts:
+        pred, op, args = re.match(r"(@!?\w+\s+)?([\w.]+)\s+(.*)", st).groups()
+        if op.startswith("shfl.sync.bfly"):
+            d, a, mask = [x.strip() for x in args.split(",")][:3]
+            sent = [val(lane, a) for lane in range(32)]
+            for lane in range(32):
+                regs[lane][d] = sent[lane ^ int(mask, 0)]
+            continue
+        if op.startswith("red."):
+            addr = re.search(r"\[(\w+)\]", args).group(1)
+            names = re.search(r"\{(.*)\}", args).group(1).split(",")
+            p = pred.strip()[1:]
+            reds.append([(lane, regs[lane][addr], [regs[lane][n.strip()] for n in names])
+                         for lane in range(32) if regs[lane][p]])
+            continue
+        for lane in range(32):
+            if pred:
+                neg = pred.strip().startswith("@!")
+                if bool(regs[lane][pred.strip().lstrip("@!")]) == neg:
+                    continue
+            r = regs[lane]
+            if op == "mov.b64" and args.startswith("{"):  # split
+                lo, hi = re.search(r"\{(.*)\}", args).group(1).split(",")
+                v = val(lane, args.split("}")[1].strip(", "))
+                r[lo.strip()], r[hi.strip()] = v & 0xFFFFFFFF, v >> 32
+                continue
+            if op == "mov.b64":  # join
+                d, rest = args.split(",", 1)
+                lo, hi = re.search(r"\{(.*)\}", rest).group(1).split(",")
+                r[d.strip()] = r[lo.strip()] | r[hi.strip()] << 32
+                continue
+            a = [x.strip() for x in args.split(",")]
+            if op == "mov.u32":
+                r[a[0]] = val(lane, a[1])
+            elif op == "and.b32":
+                r[a[0]] = val(lane, a[1]) & val(lane, a[2])
+            elif op == "setp.ne.b32":
+                r[a[0]] = val(lane, a[1]) != val(lane, a[2])
+            elif op == "mul.wide.u32":
+                r[a[0]] = val(lane, a[1]) * val(lane, a[2])
+            elif op in ("selp.b32", "selp.b64"):
+                r[a[0]] = val(lane, a[1]) if r[a[3]] else val(lane, a[2])
+            elif op == "add.s64":
+                r[a[0]] = val(lane, a[1]) + val(lane, a[2])
+            else:
+                raise AssertionError(f"the replay does not know {op!r}: extend it with the asm")
+    return reds
+
+
+def test_whole_line_reductions_put_every_value_at_its_fake_column():
+    """``hopper.red_f32x4_lines``, replayed from its PTX for every warp, lane and register:
+    every value of a piece lands once at fake_col of its column in its own row, masked rows
+    (``on`` = 0) get nothing, and every reduction instruction of a warp covers whole
+    128-byte lines (4 rows, 8 lanes each)."""
+    import pytest
+
+    from dsv4_sparse_attn.kernels import hopper
+
+    if hopper.gluon_unavailable():
+        pytest.skip(f"no Gluon in this Triton: {hopper.gluon_unavailable()}")
+    stmts = _lines_asm()
+    reg_bases = wgmma_register_bases()
+    row_stride = 1 << 12  # bytes between two slot rows' accumulator rows (any multiple of 128)
+    masked = {5, 17, 40}  # slot rows whose reductions are predicated off
+    got = {}
+    for warp in range(4):
+        wr, wc = _coord(WARP_BASES, warp)
+        coords = []
+        for lane in range(32):
+            lr, lc = _coord(LANE_BASES, lane)
+            coords.append([(wr ^ lr ^ rr, wc ^ lc ^ rc)
+                           for rr, rc in (_coord(reg_bases, i) for i in range(32))])
+        for p0 in range(0, 32, 16):  # one asm instance: registers p0..p0+15
+            regs = []
+            for lane in range(32):
+                e = coords[lane][p0:p0 + 16]
+                r = {"%laneid": lane}
+                for i, (row, col) in enumerate(e):
+                    r[f"${16 + i}"] = row * row_stride + (col // 16) * 64  # group base (fake_group_base)
+                    r[f"${32 + i}"] = (row, col)  # the value: which element it is
+                    r[f"${48 + i}"] = int(row not in masked)
+                regs.append(r)
+            for instr in _run_ptx(stmts, regs):
+                lines = set()
+                for lane, addr, values in instr:
+                    assert addr % 16 == 0, (lane, addr)
+                    for k, (row, col) in enumerate(values):
+                        word = addr // 4 + k
+                        assert word // (row_stride // 4) == row, (lane, row, col)  # its own row
+                        assert (row, col) not in got, (row, col)
+                        got[(row, col)] = word % (row_stride // 4)
+                    lines.add(addr // 128)
+                if len(instr) == 32:  # no masked row in this instruction
+                    assert len(lines) == 4, lines
+    want = fake_col(torch.arange(64)).tolist()
+    assert len(got) == 64 * (64 - len(masked))
+    assert all(got[(r, c)] == want[c] and r not in masked for (r, c) in got)

@@ -267,9 +267,10 @@ def _snake(srt: torch.Tensor, per_round: int) -> torch.Tensor:
     rounds = -(-n // per_round)
     grid = torch.nn.functional.pad(srt.to(torch.int32), (0, rounds * per_round - n), value=-1)
     grid = grid.view(m, rounds, per_round)
-    back = list(range(rounds - 2, -1, -2))  # every other round, counting back from the last
-    if back:
-        grid[:, back] = grid[:, back].flip(-1)
+    # every other round, counting back from the last (a slice: an index list would be copied
+    # to the device from pageable memory, which waits for the stream, and breaks capture)
+    back = slice(rounds % 2, rounds - 1, 2)
+    grid[:, back] = grid[:, back].flip(-1)
     return grid.reshape(m, -1)[:, :n].reshape(-1)  # the padding ends the (forward) last round
 
 
