@@ -250,6 +250,8 @@ def balanced_order(topk_length: torch.Tensor, chunk: int, programs: int, n_hb: i
     """
     T = topk_length.shape[0]
     per_round = max(1, programs // max(1, n_hb))
+    if chunk <= per_round:  # at most one tile per program: nothing to balance, no sort
+        return torch.arange(T, device=topk_length.device, dtype=torch.int32) % chunk
     n_full = T // chunk
     parts = []
     if n_full:
