@@ -210,7 +210,6 @@ def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None)
     from dsv4_sparse_attn.kernels import backward_gluon as G
     from dsv4_sparse_attn.kernels import hopper
 
-    lines = G.RED_LINES if lines is None else lines
-    consts = dict(D=512, RED=(2 if lines else 1) if red else 0, HAS_LEN=has_len)
+    consts = dict(D=512, RED=G.red_mode(not red, lines), HAS_LEN=has_len)
     return compile_sm90(G._bwd_main_gluon_kernel, BWD_TYPES, consts, hopper.NUM_WARPS, 1, BWD_DIV16,
                         run_ptxas, maxnreg=hopper.MAXNREG)

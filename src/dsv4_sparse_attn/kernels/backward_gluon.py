@@ -20,7 +20,8 @@ partitions of one warp group each:
 
 The dKV rows go either (``RED``, the fast mode) straight into an fp32 [N, D]
 accumulator with 16-byte vector reductions, in the fake column order of
-``hopper.red_f32x4_fake`` (masked slots add nothing), or (deterministic)
+``hopper.red_f32x4_fake``, a warp's instruction covering whole 128-byte lines
+(``hopper.red_f32x4_lines``; masked slots add nothing), or (deterministic)
 into per-(token, slot) partial rows that ``backward.py`` sums in a fixed order; with an
 even number of head blocks one partial row serves a pair of them (``_consume_tile``).
 Organisation and measurements: docs/design.md#backward-gluon-hopper-dkv-accumulation,
@@ -53,10 +54,11 @@ BLOCK_K = 64  # slots of a block: partial rows are padded to whole blocks
 ACC_FAKE_ORDER = True  # the fast mode's accumulator is in fake column order
 # The fast mode's reductions: whole 128-byte lines per instruction (hopper.red_f32x4_lines)
 # or half lines (hopper.red_f32x4_fake); ``launch(lines=...)`` overrides it for A/B runs.
-# Whole lines: 2-7% faster at T = 4096 on the H200 under Triton 3.6, with no spill reload
-# in the block loops; under Triton 3.9 they double the loops' reloads (28 -> 56), so there
-# the half lines stay (docs/performance/backward.md#whole-lines-per-reduction).
-RED_LINES = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9)
+# Whole lines: 6-11% faster at T = 4096 on the H200 under Triton 3.6
+# (docs/performance/backward.md#whole-lines-per-reduction).
+RED_LINES = True
+_TRITON_39 = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9)
+
 
 # mbarrier slots
 _QD_READY = gl.constexpr(0)
@@ -178,7 +180,7 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr):
     (the follower of a head-block pair) added once to the leader's."""
     if RED:
         on_el = gl.full(acc.shape, 1, gl.int32, acc.type.layout) * on[:, None]
-        if RED == 2:  # whole 128-byte lines per instruction
+        if RED >= 2:  # whole 128-byte lines per instruction
             red_f32x4_lines(fake_group_base(row_ptr, offs_d), acc, on_el)
         else:
             red_f32x4_fake(fake_group_base(row_ptr, offs_d), acc, on_el)
@@ -249,8 +251,12 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     # needs only the leader's block j-1: no cycle. The leader waits only once its partner
     # program has taken its ticket (so is running, and waits on no one but this leader):
     # no deadlock even if not all the kernel's programs are resident at once.
-    follower = (paired != 0) & (pid_h % 2 == 1)
-    leader = (paired != 0) & (pid_h % 2 == 0)
+    # (pairs are a partial-row path only. RED = 3 folds their flags to constants, so their
+    # code goes: under Triton 3.9 that leaves 17-19 spill reloads per block loop instead of
+    # 56; under 3.6-3.7 it adds one, so RED = 2 keeps them, as runtime zeros.)
+    pairs = (paired != 0) & (RED < 3)
+    follower = pairs & (pid_h % 2 == 1)
+    leader = pairs & (pid_h % 2 == 0)
     n_part = n_hb // (1 + paired)
     part_h = pid_h // (1 + paired)
     flag_ptr = FLAGS + 1 + (pid_c * n_part + part_h) * 2 + WG
@@ -449,6 +455,19 @@ def flags_per_chunk(n_tok: int, n_hb: int) -> int:
     return 1 + 2 * n_tok * n_hb
 
 
+def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
+    """The kernel's RED constexpr: 0 partial rows (deterministic); fast mode: 1 half-line
+    reductions, 2 whole lines, 3 whole lines with the head-block pairs' code compiled out
+    (what Triton 3.9 allocates registers best for: 17-19 spill reloads per block loop,
+    against 28-29 with half lines and 56 with whole lines and the pairs' code; under 3.6-3.8
+    RED = 2 has none)."""
+    if partial_rows:
+        return 0
+    if not (RED_LINES if lines is None else lines):
+        return 1
+    return 3 if _TRITON_39 else 2
+
+
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, lines=None, order=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
@@ -473,7 +492,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
-        D=D, RED=0 if partial is not None else 2 if (RED_LINES if lines is None else lines) else 1,
+        D=D, RED=red_mode(partial is not None, lines),
         HAS_LEN=topk_length is not None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
 
