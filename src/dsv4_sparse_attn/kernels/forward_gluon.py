@@ -150,6 +150,15 @@ def _rescale_to(m_cur, m_new):
 
 
 @gluon.jit
+def _take_max(m_smem, slot: gl.constexpr, m_cur, l_i, acc):
+    """The other consumer's running max (published in ``slot``): my half of O and my share
+    of the row sum rescaled to it. Returns (m, l_i, acc)."""
+    m_new = m_smem.index(slot).load(m_cur.type.layout)
+    alpha = _rescale_to(m_cur, m_new)
+    return m_new, l_i * alpha, acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+
+
+@gluon.jit
 def _consumer(args, WG: gl.constexpr, HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr):
     """Consumer ``WG`` (0 or 1): S of blocks j = WG mod 2, O[:, WG*DH:(WG+1)*DH] of every block."""
     io, sizes, strides, smem, n_pairs, scale_log2 = args
@@ -184,7 +193,6 @@ def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, HAS_LEN: g
     i, ph, n_pairs, idx_row, N, K, scale_log2, offs_c, s_zero = pair
     BK: gl.constexpr = _BK
     dtype: gl.constexpr = q_smem.dtype
-    row_l: gl.constexpr = gl.SliceLayout(1, s_zero.type.layout)
     orow_l: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     # z is 0 (grid z = 1) but unknown to the compiler: the shared-memory descriptors
     # are formed in the loop instead of hoisted out of it and spilled.
@@ -206,11 +214,7 @@ def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, HAS_LEN: g
         # Block 2i (consumer 0's): its max is my starting point; apply its P to my half
         # while my S runs.
         mbarrier.wait(bars.index(_P_READY + 0), ph)
-        m_prev = m_smem.index(0).load(row_l)
-        alpha0 = _rescale_to(m_cur, m_prev)
-        l_i = l_i * alpha0
-        acc = acc * gl.convert_layout(alpha0, orow_l)[:, None]
-        m_cur = m_prev
+        m_cur, l_i, acc = _take_max(m_smem, 0, m_cur, l_i, acc)
         mbarrier.wait(bars.index(_KV_READY + 1), ph)
         acc = warpgroup_mma(p_smem.index(0), kv_smem.index(1), acc, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
@@ -240,11 +244,7 @@ def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, HAS_LEN: g
         mbarrier.arrive(bars.index(_KV_FREE + 0))  # buffer 0, D half 0
         # Block 2i + 1 (consumer 1's): rescale to its max, apply its P to my half.
         mbarrier.wait(bars.index(_P_READY + 1), ph)
-        m_next = m_smem.index(1).load(row_l)
-        alpha1 = _rescale_to(m_cur, m_next)
-        l_i = l_i * alpha1
-        acc = acc * gl.convert_layout(alpha1, orow_l)[:, None]
-        m_cur = m_next
+        m_cur, l_i, acc = _take_max(m_smem, 1, m_cur, l_i, acc)
         mbarrier.wait(bars.index(_KV_READY + 2), ph)
         if (not HAS_LEN) or (2 * i + 1) * BK < K:  # (an odd block past the length has P = 0)
             acc = warpgroup_mma(p_smem.index(1), kv_smem.index(2), acc, is_async=True)
@@ -264,16 +264,10 @@ def _consume_dead_odd_block(smem, pair, acc, l_i, m_cur, ids):
     consumer 0, which skips that block's P V too). Returns (acc, l_i, m_cur, ids)."""
     q_smem, kv_smem, p_smem, m_smem, l_smem, bars = smem
     i, ph, n_pairs, idx_row, N, K, scale_log2, offs_c, s_zero = pair
-    row_l: gl.constexpr = gl.SliceLayout(1, s_zero.type.layout)
-    orow_l: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     mbarrier.wait(bars.index(_KV_READY + 2), ph)  # (nothing gathered: phases only)
     mbarrier.wait(bars.index(_KV_READY + 3), ph)
     mbarrier.wait(bars.index(_P_READY + 0), ph)
-    m_prev = m_smem.index(0).load(row_l)
-    alpha0 = _rescale_to(m_cur, m_prev)
-    l_i = l_i * alpha0
-    acc = acc * gl.convert_layout(alpha0, orow_l)[:, None]
-    m_cur = m_prev
+    m_cur, l_i, acc = _take_max(m_smem, 0, m_cur, l_i, acc)
     mbarrier.wait(bars.index(_KV_READY + 1), ph)
     acc = warpgroup_mma(p_smem.index(0), kv_smem.index(1), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
