@@ -166,7 +166,7 @@ FWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", SINK="*fp32", OUT="*bf16", L
 FWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_ot", "stride_oh")
 BWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", DO="*bf16", LSE="*fp32", DELTA="*fp32",
                  DQ="*bf16", DKV="*fp32", ACC="*fp32", PARTIAL="*fp32", FLAGS="*i32", LEN="*i32",
-                 ORDER="*i32",
+                 ORDER="*i32", DQR="*fp32",
                  scale="fp32",
                  scale_log2="fp32")
 BWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_dt", "stride_dh", "stride_gt", "stride_gh")
@@ -204,12 +204,12 @@ def compile_forward_gluon(has_sink=True, run_ptxas=True, has_len=False) -> dict:
                         FWD_DIV16, run_ptxas, maxnreg=hopper.MAXNREG)
 
 
-def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None) -> dict:
+def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None, rope=0) -> dict:
     """``red``: the fast mode (16-byte reductions, in whole lines unless ``lines`` is False;
     default: as the launcher does); else the deterministic partial rows."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
     from dsv4_sparse_attn.kernels import hopper
 
-    consts = dict(D=512, RED=G.red_mode(not red, lines), HAS_LEN=has_len)
+    consts = dict(D=512, RED=G.red_mode(not red, lines), HAS_LEN=has_len, ROPE=rope)
     return compile_sm90(G._bwd_main_gluon_kernel, BWD_TYPES, consts, hopper.NUM_WARPS, 1, BWD_DIV16,
                         run_ptxas, maxnreg=hopper.MAXNREG)

@@ -7,7 +7,7 @@ import torch
 import dsv4_sparse_attn
 from kernel_checks import Case, check_backward, check_forward, make_case
 from dsv4_sparse_attn.kernels import backward as kbwd
-from dsv4_sparse_attn.kernels import backward_triton, dispatch, hopper
+from dsv4_sparse_attn.kernels import backward_triton, dispatch
 from dsv4_sparse_attn.kernels import forward_triton as kfwd
 from dsv4_sparse_attn.kernels.common import Call
 from dsv4_sparse_attn.kernels.forward_gluon import MIN_HEADS as GLUON_FWD_MIN_HEADS
@@ -302,12 +302,13 @@ def test_op_runs_the_gluon_kernels_on_hopper(deterministic):
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "fast"])
-@pytest.mark.parametrize("layout", ["lengths", "v32", "v32-lengths"])
+@pytest.mark.parametrize("layout", ["lengths", "v32", "v32-lengths", "v32-many-tiles"])
 def test_lengths_and_the_v32_layout_through_the_ops(layout, deterministic):
     """topk_length (values past K and negative included) and the 576/512 layout through the
-    ops, against the float64 oracle: the Gluon kernels run the lengths at D = 512 on sm_90,
-    the Triton ones the 576/512 layout."""
-    T, H, N, K = 9, 64, 700, 640
+    ops, against the float64 oracle: the Gluon kernels run the lengths at D = 512 on sm_90
+    and the Gluon backward the 576/512 layout (Triton 3.6-3.7), the Triton kernels the
+    rest."""
+    T, H, N, K = (300, 128, 700, 300) if layout.endswith("many-tiles") else (9, 64, 700, 640)
     D, d_v = (576, 512) if layout.startswith("v32") else (512, None)
     torch.manual_seed(0)
     q = torch.randn(T, H, D, device=DEV).to(BF)
@@ -322,8 +323,11 @@ def test_lengths_and_the_v32_layout_through_the_ops(layout, deterministic):
     do = torch.randn(T, H, d_v or D, device=DEV).to(BF)
     dlse = torch.randn(T, H, device=DEV)
     call = Call.of(q, deterministic, d_v=d_v or D, has_len=length is not None)
-    want = "gluon_sm90" if not d_v and hopper.hopper_rejects(call) is None else "triton"
-    assert [dispatch.choose(direction, call)[0] for direction in ("forward", "backward")] == [want] * 2
+    from dsv4_sparse_attn.kernels import backward_gluon, forward_gluon
+
+    want = ["gluon_sm90" if mod.rejects(call) is None else "triton"
+            for mod in (forward_gluon, backward_gluon)]
+    assert [dispatch.choose(direction, call)[0] for direction in ("forward", "backward")] == want
     dsv4_sparse_attn.set_deterministic_backward(deterministic)
     try:
         out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, None, length, d_v)

@@ -32,6 +32,7 @@ for sm_90 in CI (tests/test_sm90_compile.py).
 """
 from __future__ import annotations
 
+import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -57,7 +58,9 @@ ACC_FAKE_ORDER = True  # the fast mode's accumulator is in fake column order
 # Whole lines: 6-11% faster at T = 4096 on the H200 under Triton 3.6
 # (docs/performance/backward.md#whole-lines-per-reduction).
 RED_LINES = True
-_TRITON_39 = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9)
+_TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
+_TRITON_38 = _TRITON_VERSION >= (3, 8)
+_TRITON_39 = _TRITON_VERSION >= (3, 9)
 
 
 # mbarrier slots
@@ -67,7 +70,8 @@ _KV_READY = gl.constexpr(2)  # + D half
 _KV_FREE = gl.constexpr(4)  # + D half
 _PDS_READY = gl.constexpr(6)
 _PDS_FREE = gl.constexpr(7)
-_N_BARS = gl.constexpr(8)
+_KVR_FREE = gl.constexpr(8)  # the kv block's score-only columns (ROPE), read by both consumers
+_N_BARS = gl.constexpr(9)
 # How many slot blocks a pair's leader may run ahead of its follower's adds (see
 # _consume_tile). H200, T=4096, H=128: 0 (lockstep) -8.8% backward time against no pacing
 # at K=1152 and K=512, 1 -7.5%, 2 -4%, 4 -1%
@@ -80,13 +84,30 @@ _QD = gl.constexpr(128)  # D quarter: D = 512 only
 
 @gluon.jit
 def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 0)
+
+
+@gluon.jit
+def _producer_rope(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 64)
+
+
+@gluon.jit
+def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr, ROPE: gl.constexpr):
+    # (ROPE arrives as a literal from _producer / _producer_rope: a constexpr passed through
+    # warp_specialize's argument tuple reaches the partition as a plain value, and the rope
+    # code below then fails to lower when ROPE is 0)
     Q, DO, KV, IDX, LEN, ORDER = io
     H, N, K = sizes
     stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it = strides
-    q_smem, do_smem, kv_smem, bars = smem
+    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars = smem
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte copies
     offs_d = gl.arange(0, _QD, layout=gl.SliceLayout(0, ld))
     offs_r = gl.arange(0, _BK, layout=gl.SliceLayout(1, ld))
+    # the score-only columns (ROPE > 0: the 576/512 layout), 64 wide
+    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    offs_rd = 4 * _QD + gl.arange(0, 64, layout=gl.SliceLayout(0, ld_r))
+    offs_rr = gl.arange(0, _BK, layout=gl.SliceLayout(1, ld_r))
     n_hb = gl.cdiv(H, _BH)
     tcount = 0
     bcount = 0  # slot blocks gathered so far (the barriers' phases)
@@ -105,6 +126,10 @@ def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.
         for c in gl.static_range(4):
             async_load(q_smem.index(c), q_ptrs + c * _QD, mask=h_ok)
             async_load(do_smem.index(c), do_ptrs + c * _QD, mask=h_ok)
+        if ROPE > 0:
+            hr = pid_h * _BH + offs_rr
+            async_load(qr_smem.index(0), Q + pid_t * stride_qt + hr[:, None].to(gl.int64) * stride_qh
+                       + offs_rd[None, :], mask=(hr < H)[:, None])
         cp.mbarrier_arrive(bars.index(_QD_READY), increment_count=False)
 
         idx_row = IDX + pid_t * stride_it
@@ -116,11 +141,18 @@ def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.
             rows = gl.where(valid, ids64, 0)  # masked ids never form an address (zero rows)
             ptrs = KV + rows[:, None] * stride_kvn + offs_d[None, :]
             vm = valid[:, None]
+            if ROPE > 0:  # (the ids again, in the rope columns' load layout)
+                ids_r = load_ids(idx_row, j * _BK, k_end, offs_rr).to(gl.int64)
+                valid_r = (ids_r >= 0) & (ids_r < N)
+                ptrs_r = KV + gl.where(valid_r, ids_r, 0)[:, None] * stride_kvn + offs_rd[None, :]
             ids = load_ids(idx_row, (j + 1) * _BK, k_end, offs_r)  # next block's ids, ahead
             for half in gl.static_range(2):
                 mbarrier.wait(bars.index(_KV_FREE + half), free_phase)
                 async_load(kv_smem.index(2 * half), ptrs + (2 * half) * _QD, mask=vm)
                 async_load(kv_smem.index(2 * half + 1), ptrs + (2 * half + 1) * _QD, mask=vm)
+                if ROPE > 0 and half == 1:  # with the second half: S needs it, both dQs read it
+                    mbarrier.wait(bars.index(_KVR_FREE), free_phase)
+                    async_load(kvr_smem.index(0), ptrs_r, mask=valid_r[:, None])
                 cp.mbarrier_arrive(bars.index(_KV_READY + half), increment_count=False)
         tcount += 1
         bcount += nb_t
@@ -145,7 +177,7 @@ def _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr):
+def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr):
     io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired = args
     H, N, K = sizes
     LEN = io[7]
@@ -158,7 +190,7 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr):
         pid_h = tile % n_hb
         k_end, nb_t, g0 = _tile_blocks(LEN, t_begin + pid_c, K, nb, tcount, bcount, HAS_LEN)
         _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c, pid_h,
-                      n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN)
+                      n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE)
         tcount += 1
         bcount += nb_t
 
@@ -196,16 +228,17 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr):
 
 @gluon.jit
 def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb, tcount,
-                  paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr):
+                  paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr,
+                  ROPE: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1): slot blocks 0..nb_t-1
     (the first of them the barriers' ``g0``-th), ids past slot ``k_end`` masked; ``nb``
     blocks per token in the partial-row buffer."""
-    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER = io
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
-    q_smem, do_smem, kv_smem, p_smem, ds_smem, bars = smem
+    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
     scale, scale_log2 = scales
-    D: gl.constexpr = 4 * _QD
+    D: gl.constexpr = 4 * _QD + ROPE  # a dKV / partial row: the value columns, then the rope ones
     dtype: gl.constexpr = q_smem.dtype
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, _BK, 16])
@@ -235,6 +268,17 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     dkv_zero = gl.zeros([_BK, 64], gl.float32, layout=s_l)
     dq0 = dq_zero
     dq1 = dq_zero
+    # ROPE: consumer WG owns the rope columns [32 WG, 32 WG + 32) of dQ and of the dKV rows.
+    # Its dQ part is summed in this program's fp32 scratch rows DQR[rank] (64 heads x 64),
+    # not in registers: 16 more live registers a thread made ptxas serialise the wgmmas and
+    # reload 8 spilled values per block. One thread adds to each scratch element, block
+    # after block, so the sum's order is fixed (deterministic).
+    r_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 32, 16])
+    r_zero = gl.zeros([_BK, 32], gl.float32, layout=r_l)
+    offs_r32 = gl.arange(0, 32, layout=gl.SliceLayout(0, r_l))
+    h_r = gl.arange(0, _BH, layout=gl.SliceLayout(1, r_l))
+    dqr_base = DQR + rank.to(gl.int64) * (_BH * 64) + 32 * WG
     # Deterministic path with head blocks in pairs (``paired``, n_hb even): the even
     # block of a pair stores its partial rows and counts, per consumer, the slot blocks
     # it has published; the odd one waits for that count and adds its rows with one
@@ -289,6 +333,8 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
             dp = warpgroup_mma(do_smem.index(z + 2), kv_smem.index(z + 2).permute((1, 0)), dp, is_async=True)
             s = warpgroup_mma(q_smem.index(z + 3), kv_smem.index(z + 3).permute((1, 0)), s, is_async=True)
             dp = warpgroup_mma(do_smem.index(z + 3), kv_smem.index(z + 3).permute((1, 0)), dp, is_async=True)
+            if ROPE > 0:  # the score-only columns: S only
+                s = warpgroup_mma(qr_smem.index(z), kvr_smem.index(z).permute((1, 0)), s, is_async=True)
             s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
             valid = (ids >= 0) & (ids < N)
             p = gl.exp2(s * scale_log2 - lse2[:, None])
@@ -310,8 +356,16 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         # dQ[:, my half] += dS KV[:, my half] (scale is folded into dS).
         dq0 = warpgroup_mma(ds_smem.index(z), kv_smem.index(2 * WG + z), dq0, is_async=True)
         dq1 = warpgroup_mma(ds_smem.index(z), kv_smem.index(2 * WG + 1 + z), dq1, is_async=True)
-        dq0, dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, dq1))
-        mbarrier.arrive(bars.index(_KV_FREE + WG))  # my kv half: the next block's gather may start
+        if ROPE > 0:
+            dqp = warpgroup_mma(ds_smem.index(z), kvr_smem.index(z).slice(32 * WG, 32, dim=1), r_zero,
+                                use_acc=False, is_async=True)
+            dq0, dq1, dqp = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, dq1, dqp))
+            mbarrier.arrive(bars.index(_KVR_FREE))
+            mbarrier.arrive(bars.index(_KV_FREE + WG))  # my kv half: the next block's gather may start
+            gl.atomic_add(dqr_base + z + h_r[:, None] * 64 + offs_r32[None, :], dqp, sem="relaxed")
+        else:
+            dq0, dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, dq1))
+            mbarrier.arrive(bars.index(_KV_FREE + WG))  # my kv half: the next block's gather may start
 
         # dKV rows of this block for my half of D, a quarter at a time: P^T dO + dS^T Q
         # (M = 64 slots, N = 128 columns, K = 64 heads; P and dS read transposed).
@@ -353,8 +407,18 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + 1 + z, 1, dkv_zero)
         _send_piece(row_ptr + ((2 * WG + 1) * _QD), offs_dd, acc, on, follower, paired, RED)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
-        mbarrier.arrive(bars.index(_PDS_FREE))  # P and dS read for the last time
-        _send_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, on, follower, paired, RED)
+        if ROPE > 0:  # my 32 rope columns of the rows: dS^T Q_rope (no value term)
+            rop = warpgroup_mma(ds_smem.index(z).permute((1, 0)), qr_smem.index(z).slice(32 * WG, 32, dim=1),
+                                r_zero, use_acc=False, is_async=True)
+            _send_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, on, follower, paired, RED)
+            rop = warpgroup_mma_wait(num_outstanding=0, deps=(rop, ))
+            mbarrier.arrive(bars.index(_PDS_FREE))  # P and dS read for the last time
+            rows_r = gl.convert_layout(row_ptr, gl.SliceLayout(1, r_l))  # (the same rows: no data moves)
+            on_r = gl.convert_layout(on, gl.SliceLayout(1, r_l))
+            _send_piece(rows_r + (4 * _QD + 32 * WG), offs_r32, rop, on_r, follower, paired, RED)
+        else:
+            mbarrier.arrive(bars.index(_PDS_FREE))  # P and dS read for the last time
+            _send_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, on, follower, paired, RED)
         if leader:  # publish: every thread's stores of this block, then the count (release)
             thread_barrier()
             gl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
@@ -369,6 +433,12 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     hq_ok = (h_q < H)[:, None]
     gl.store(dq_ptrs, dq0.to(DQ.dtype.element_ty), mask=hq_ok)
     gl.store(dq_ptrs + _QD, dq1.to(DQ.dtype.element_ty), mask=hq_ok)
+    if ROPE > 0:  # my rope columns of dQ: taken from the scratch, which is left zero
+        dqr = gl.atomic_xchg(dqr_base + h_r[:, None] * 64 + offs_r32[None, :], r_zero, sem="relaxed")
+        hg = pid_h * _BH + h_r
+        dqr_ptrs = (DQ + pid_t * stride_gt + hg[:, None].to(gl.int64) * stride_gh + 4 * _QD + 32 * WG
+                    + offs_r32[None, :])
+        gl.store(dqr_ptrs, dqr.to(DQ.dtype.element_ty), mask=(hg < H)[:, None])
 
 
 # Runtime integers (no recompile per T, N, H or K; as in the Triton main kernel), plus the
@@ -378,7 +448,7 @@ _RUNTIME_INTS = ["H", "N", "K", "t_begin", "n_tiles", "paired", "stride_it", "st
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_main_gluon_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER,
+    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR,
     H, N, K, t_begin, n_tiles, paired,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh,
     stride_lt, stride_gt, stride_gh,
@@ -386,8 +456,10 @@ def _bwd_main_gluon_kernel(
     D: gl.constexpr,
     RED: gl.constexpr,
     HAS_LEN: gl.constexpr,
+    ROPE: gl.constexpr = 0,
 ):
-    gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512")
+    gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
+    gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
     dtype: gl.constexpr = Q.dtype.element_ty
     quarter_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, _QD], dtype)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, _BK], dtype)
@@ -399,6 +471,12 @@ def _bwd_main_gluon_kernel(
     # each block's first reload waited behind the previous block's dKV stores.
     p_smem = gl.allocate_shared_memory(dtype, [1, _BH, _BK], p_sl)
     ds_smem = gl.allocate_shared_memory(dtype, [1, _BH, _BK], p_sl)
+    if ROPE > 0:  # q's and the kv block's 64 score-only columns (16 KB: 229 KB in all)
+        qr_smem = gl.allocate_shared_memory(dtype, [1, _BH, ROPE], p_sl)
+        kvr_smem = gl.allocate_shared_memory(dtype, [1, _BK, ROPE], p_sl)
+    else:  # (never read)
+        qr_smem = p_smem
+        kvr_smem = ds_smem
     bars = gl.allocate_shared_memory(gl.int64, [_N_BARS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(bars.index(_QD_READY), count=128)  # cp.async arrivals of the producer's threads
     mbarrier.init(bars.index(_QD_FREE), count=2)
@@ -407,6 +485,7 @@ def _bwd_main_gluon_kernel(
         mbarrier.init(bars.index(_KV_FREE + i), count=1)
     mbarrier.init(bars.index(_PDS_READY), count=1)
     mbarrier.init(bars.index(_PDS_FREE), count=2)
+    mbarrier.init(bars.index(_KVR_FREE), count=2)
 
     nb = gl.cdiv(K, _BK)
     # Programs take their rank from a ticket counter (FLAGS[0], zero at launch), not from
@@ -414,17 +493,23 @@ def _bwd_main_gluon_kernel(
     # even tile (the rank below) has started, so its wait always ends.
     rank = gl.atomic_add(FLAGS, 1, sem="relaxed")
     sizes = (H, N, K)
-    c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER), sizes,
-              (stride_it, stride_lt, stride_gt, stride_gh), (q_smem, do_smem, kv_smem, p_smem, ds_smem, bars),
+    c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR), sizes,
+              (stride_it, stride_lt, stride_gt, stride_gh),
+              (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars),
               (scale, scale_log2), t_begin, n_tiles, nb, rank, paired)
     p_args = ((Q, DO, KV, IDX, LEN, ORDER), sizes,
               (stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it),
-              (q_smem, do_smem, kv_smem, bars), t_begin, n_tiles, nb, rank, HAS_LEN)
+              (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars), t_begin, n_tiles, nb, rank, HAS_LEN)
     # The producer is the default partition (ptxas compiles it under MAXNREG; the
     # consumers get setmaxnreg budgets).
-    gl.warp_specialize([(_producer, p_args), (_consumer, (c_args, 0, RED, HAS_LEN)),
-                        (_consumer, (c_args, 1, RED, HAS_LEN))],
-                       [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
+    if ROPE > 0:
+        gl.warp_specialize([(_producer_rope, p_args), (_consumer, (c_args, 0, RED, HAS_LEN, ROPE)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE))],
+                           [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
+    else:
+        gl.warp_specialize([(_producer, p_args), (_consumer, (c_args, 0, RED, HAS_LEN, ROPE)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE))],
+                           [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
 def rejects(call) -> str | None:
@@ -436,8 +521,16 @@ def rejects(call) -> str | None:
     on H (at H = 16, K = 1152
     it takes 20% less time than the Triton kernel in the fast mode and 11% less in the
     deterministic one: docs/performance/backward.md#small-head-counts).
+
+    Also the 576/512 layout (D = 576, d_v = 512), under Triton 3.6 and 3.7: from 3.8 on,
+    ptxas serialises that build's wgmmas (tests/test_sm90_compile.py), and the Triton main
+    kernel takes it.
     """
-    return hopper_rejects(call)
+    reason = hopper_rejects(call, v32=True)
+    if reason is None and call.D == 576 and _TRITON_38:
+        return (f"the 576/512 layout under Triton {triton.__version__} (its ptxas serialises this "
+                f"kernel's wgmmas at D = 576; 3.6-3.7 do not)")
+    return reason
 
 
 def partial_slots(K: int) -> int:
@@ -485,15 +578,18 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     grid = _programs(n_tiles, q.device, paired)
     if topk_length is not None and order is None:
         order = schedule(topk_length[t_begin:t_begin + n_tok], n_tok, H, paired)
+    rope = D - grad_out.shape[-1]
+    # the programs' dQ scratch for the rope columns (zeros; the kernel leaves it zero)
+    dqr = torch.zeros((grid, BLOCK_H, rope), dtype=torch.float32, device=q.device) if rope else acc
     _bwd_main_gluon_kernel[(grid,)](
         q, kv, indices, grad_out, lse, delta, grad_q, acc, partial if partial is not None else acc, flags,
-        topk_length if topk_length is not None else indices, order if order is not None else indices,
+        topk_length if topk_length is not None else indices, order if order is not None else indices, dqr,
         H, N, K, t_begin, n_tiles, int(paired),
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
-        D=D, RED=red_mode(partial is not None, lines),
-        HAS_LEN=topk_length is not None, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+        D=grad_out.shape[-1], RED=red_mode(partial is not None, lines), HAS_LEN=topk_length is not None,
+        ROPE=rope, num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
 
 

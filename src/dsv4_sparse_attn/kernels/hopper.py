@@ -293,10 +293,10 @@ def _capability(index: int):
     return p.major, p.minor
 
 
-def hopper_rejects(call) -> str | None:
+def hopper_rejects(call, v32: bool = False) -> str | None:
     """What both Gluon kernels require (None: ``call`` meets it): a Triton with Gluon's
-    Hopper API, an sm_90 GPU, bf16/fp16 and D = 512. Each kernel's ``rejects`` adds its own
-    head-count rule, if any."""
+    Hopper API, an sm_90 GPU, bf16/fp16 and D = 512 (``v32``: or D = 576 with d_v = 512).
+    Each kernel's ``rejects`` adds its own rules, if any."""
     if gluon_unavailable():
         return f"no Gluon in this Triton ({gluon_unavailable()})"
     reason = not_sm90(call.device)
@@ -304,8 +304,10 @@ def hopper_rejects(call) -> str | None:
         return reason
     if call.dtype not in KERNEL_DTYPES:
         return f"dtype {call.dtype} (takes bfloat16 and float16)"
+    if v32 and (call.D, call.d_v) == (576, 512):
+        return None
     if call.D != 512:
-        return f"head dim D={call.D} (takes D = 512)"
+        return f"head dim D={call.D} (takes D = 512{' or 576 with d_v = 512' if v32 else ''})"
     if call.d_v:
         return f"d_v={call.d_v} < D={call.D} (values narrower than keys)"
     return None
