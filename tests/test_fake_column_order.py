@@ -178,3 +178,31 @@ def test_whole_line_reductions_put_every_value_at_its_fake_column():
     want = fake_col(torch.arange(64)).tolist()
     assert len(got) == 64 * (64 - len(masked))
     assert all(got[(r, c)] == want[c] and r not in masked for (r, c) in got)
+
+
+def _asm_blocks(name: str) -> list[list[str]]:
+    """The PTX statements of each inline asm in ``hopper.<name>``, from its source."""
+    import inspect
+
+    from dsv4_sparse_attn.kernels import hopper
+
+    src = inspect.getsource(hopper)
+    body = src[src.index(f"def {name}("):]
+    body = body[:body.index("\n    @gluon.jit")] if "\n    @gluon.jit" in body else body
+    blocks = []
+    for chunk in body.split('"""{')[1:]:
+        asm = chunk[:chunk.index('}"""')]
+        blocks.append([s.strip() for line in asm.splitlines() for s in line.split(";") if s.strip()])
+    return blocks
+
+
+def test_partial_row_stores_use_the_reductions_addresses():
+    """``st_f32x4_fake`` (the deterministic mode's 16-byte partial-row stores, plain and
+    streaming) is ``red_f32x4_fake`` with each reduction replaced by a store of the same
+    registers at the same address: the rows land in the fake column order the fold and
+    the conversion expect (test above)."""
+    (red,) = _asm_blocks("red_f32x4_fake")
+    stores = _asm_blocks("st_f32x4_fake")
+    assert len(stores) == 2
+    for op, block in zip(("st.global.cs.v4.f32", "st.global.v4.f32"), stores):
+        assert block == [s.replace("red.relaxed.gpu.global.add.v4.f32", op) for s in red]

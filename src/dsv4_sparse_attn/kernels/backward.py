@@ -225,7 +225,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         block_n = max(1, 4096 // block_c)
         _acc_to_kv_kernel[(triton.cdiv(N, block_n), D // block_c)](
             acc, grad_kv, N, D=D, BLOCK_N=block_n, BLOCK_C=block_c,
-            FAKE_ORDER=main.ACC_FAKE_ORDER and not deterministic, num_warps=4)
+            FAKE_ORDER=main.ACC_FAKE_ORDER, num_warps=4)
     if attn_sink is not None:
         grad_sink = -(torch.exp(attn_sink[None, :] - lse) * delta).sum(0)
     else:

@@ -47,12 +47,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .common import cuda_properties
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, balanced_order,
                      fake_group_base, hopper_rejects, load_ids, red_f32x4_fake, red_f32x4_lines,
-                     thread_barrier, tile_token)
+                     st_f32x4_fake, thread_barrier, tile_token)
 
 NAME = "gluon_sm90"
 BLOCK_H = 64  # heads of a tile (fewer heads: the tile's other rows are masked)
 BLOCK_K = 64  # slots of a block: partial rows are padded to whole blocks
-ACC_FAKE_ORDER = True  # the fast mode's accumulator is in fake column order
+ACC_FAKE_ORDER = True  # dKV rows (accumulator and partial rows) are in fake column order
 # The fast mode's reductions: whole 128-byte lines per instruction (hopper.red_f32x4_lines)
 # or half lines (hopper.red_f32x4_fake); ``launch(lines=...)`` overrides it for A/B runs.
 # Whole lines: 6-11% faster at T = 4096 on the H200 under Triton 3.6
@@ -216,14 +216,15 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr):
             red_f32x4_lines(fake_group_base(row_ptr, offs_d), acc, on_el)
         else:
             red_f32x4_fake(fake_group_base(row_ptr, offs_d), acc, on_el)
-    else:
-        ptrs = row_ptr[:, None] + offs_d[None, :]
+    else:  # partial rows, in the same fake column order (16-byte stores and adds)
+        ones = gl.full(acc.shape, 1, gl.int32, acc.type.layout)
+        gb = fake_group_base(row_ptr, offs_d)
         if follower:
-            gl.atomic_add(ptrs, acc, sem="relaxed")
+            red_f32x4_fake(gb, acc, ones)
         elif paired:  # the follower adds to these rows shortly: keep them in L2
-            gl.store(ptrs, acc)
+            st_f32x4_fake(gb, acc, ones, False)
         else:  # streaming: each partial row is read once, by the reduction (+5%)
-            gl.store(ptrs, acc, cache_modifier=".cs")
+            st_f32x4_fake(gb, acc, ones, True)
 
 
 @gluon.jit

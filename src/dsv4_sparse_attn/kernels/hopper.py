@@ -121,6 +121,53 @@ if gl is not None:
             [group_base, acc, on], dtype=gl.int32, is_pure=False, pack=8)
 
     @gluon.jit
+    def st_f32x4_fake(group_base, acc, on, STREAM: gl.constexpr):
+        """Store a [64, 64] fp32 piece to fp32 rows in fake column order, 16 bytes an
+        instruction: ``red_f32x4_fake``'s addressing with ``st.global.v4.f32`` (``STREAM``:
+        with the streaming hint ``.cs``) instead of the reduction; half the store
+        instructions of the wgmma layout's natural pairs. Rows whose ``on`` is 0 are skipped."""
+        if STREAM:
+            return gl.inline_asm_elementwise(
+                """{
+                .reg .pred p, p8;
+                .reg .b32 l;
+                .reg .b64 o, o8;
+                setp.ne.b32 p, $24, 0;
+                setp.ne.b32 p8, $26, 0;
+                mov.u32 l, %laneid;
+                and.b32 l, l, 3;
+                mul.wide.u32 o, l, 16;
+                add.s64 o8, o, $10;
+                add.s64 o, o, $8;
+                @p st.global.cs.v4.f32 [o], {$16, $17, $20, $21};
+                @p8 st.global.cs.v4.f32 [o8], {$18, $19, $22, $23};
+                mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
+                mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
+                }""",
+                "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                [group_base, acc, on], dtype=gl.int32, is_pure=False, pack=8)
+        else:
+            return gl.inline_asm_elementwise(
+                """{
+                .reg .pred p, p8;
+                .reg .b32 l;
+                .reg .b64 o, o8;
+                setp.ne.b32 p, $24, 0;
+                setp.ne.b32 p8, $26, 0;
+                mov.u32 l, %laneid;
+                and.b32 l, l, 3;
+                mul.wide.u32 o, l, 16;
+                add.s64 o8, o, $10;
+                add.s64 o, o, $8;
+                @p st.global.v4.f32 [o], {$16, $17, $20, $21};
+                @p8 st.global.v4.f32 [o8], {$18, $19, $22, $23};
+                mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
+                mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
+                }""",
+                "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                [group_base, acc, on], dtype=gl.int32, is_pure=False, pack=8)
+
+    @gluon.jit
     def red_f32x4_lines(group_base, acc, on):
         """``red_f32x4_fake`` with whole 128-byte lines: the same sums into the same
         fake-ordered rows, but each reduction instruction of a warp adds 4 rows x 128 bytes
