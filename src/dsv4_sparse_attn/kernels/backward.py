@@ -54,7 +54,8 @@ def _bwd_delta_kernel(
 
 
 @triton.jit
-def _entry_row(PARTIAL, ORDER, e, end, K, k_stride, offs_d, D: tl.constexpr, N_HB: tl.constexpr):
+def _entry_row(PARTIAL, ORDER, e, end, K, k_stride, offs_d, D: tl.constexpr, N_HB: tl.constexpr,
+               MASK_D: tl.constexpr):
     """Entry e's partial row (its head-block parts added in order), 0 past ``end``."""
     ok = e < end
     entry = tl.load(ORDER + e, mask=ok, other=0)  # flat (token-in-chunk, slot)
@@ -62,6 +63,8 @@ def _entry_row(PARTIAL, ORDER, e, end, K, k_stride, offs_d, D: tl.constexpr, N_H
     slot = entry - tok * K
     base = PARTIAL + ((tok * N_HB) * k_stride + slot) * D + offs_d
     ok_d = (offs_d * 0 + e) < end  # (a tensor mask: the 3.9 interpreter takes no scalar one here)
+    if MASK_D:
+        ok_d &= offs_d < D
     x = tl.load(base, mask=ok_d, other=0.0)
     for hb in tl.static_range(1, N_HB):
         x += tl.load(base + hb * k_stride * D, mask=ok_d, other=0.0)
@@ -71,7 +74,7 @@ def _entry_row(PARTIAL, ORDER, e, end, K, k_stride, offs_d, D: tl.constexpr, N_H
 @triton.jit(do_not_specialize=["K", "k_stride"])
 def _dkv_reduce_kernel(
     PARTIAL, ORDER, SEG, ACC, K, k_stride,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, MASK_D: tl.constexpr,
 ):
     """acc[n] += row n's per-slot partials of this chunk, one after the other in sorted
     (token, slot) order: a sequential fold that continues from the previous chunks' sum,
@@ -88,16 +91,17 @@ def _dkv_reduce_kernel(
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     start = tl.load(SEG + row)
     end = tl.load(SEG + row + 1)
-    acc = tl.load(ACC + row * D + offs_d)
+    d_ok = offs_d < D  # (BLOCK_D columns a program; D = 576 ends in a quarter-used block)
+    acc = tl.load(ACC + row * D + offs_d, mask=d_ok)
     for e0 in range(start, end, 8):
-        x0 = _entry_row(PARTIAL, ORDER, e0, end, K, k_stride, offs_d, D, N_HB)
-        x1 = _entry_row(PARTIAL, ORDER, e0 + 1, end, K, k_stride, offs_d, D, N_HB)
-        x2 = _entry_row(PARTIAL, ORDER, e0 + 2, end, K, k_stride, offs_d, D, N_HB)
-        x3 = _entry_row(PARTIAL, ORDER, e0 + 3, end, K, k_stride, offs_d, D, N_HB)
-        x4 = _entry_row(PARTIAL, ORDER, e0 + 4, end, K, k_stride, offs_d, D, N_HB)
-        x5 = _entry_row(PARTIAL, ORDER, e0 + 5, end, K, k_stride, offs_d, D, N_HB)
-        x6 = _entry_row(PARTIAL, ORDER, e0 + 6, end, K, k_stride, offs_d, D, N_HB)
-        x7 = _entry_row(PARTIAL, ORDER, e0 + 7, end, K, k_stride, offs_d, D, N_HB)
+        x0 = _entry_row(PARTIAL, ORDER, e0, end, K, k_stride, offs_d, D, N_HB, MASK_D)
+        x1 = _entry_row(PARTIAL, ORDER, e0 + 1, end, K, k_stride, offs_d, D, N_HB, MASK_D)
+        x2 = _entry_row(PARTIAL, ORDER, e0 + 2, end, K, k_stride, offs_d, D, N_HB, MASK_D)
+        x3 = _entry_row(PARTIAL, ORDER, e0 + 3, end, K, k_stride, offs_d, D, N_HB, MASK_D)
+        x4 = _entry_row(PARTIAL, ORDER, e0 + 4, end, K, k_stride, offs_d, D, N_HB, MASK_D)
+        x5 = _entry_row(PARTIAL, ORDER, e0 + 5, end, K, k_stride, offs_d, D, N_HB, MASK_D)
+        x6 = _entry_row(PARTIAL, ORDER, e0 + 6, end, K, k_stride, offs_d, D, N_HB, MASK_D)
+        x7 = _entry_row(PARTIAL, ORDER, e0 + 7, end, K, k_stride, offs_d, D, N_HB, MASK_D)
         acc += x0
         acc += x1
         acc += x2
@@ -106,7 +110,7 @@ def _dkv_reduce_kernel(
         acc += x5
         acc += x6
         acc += x7
-    tl.store(ACC + row * D + offs_d, acc)
+    tl.store(ACC + row * D + offs_d, acc, mask=d_ok)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -202,7 +206,10 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         key_dtype = torch.int16 if N < 2**15 - 1 else torch.int32 if N < 2**31 - 1 else torch.int64
         rows = torch.arange(N + 1, device=dev, dtype=key_dtype)
         slots = torch.arange(K, device=dev)[None, :]
-        block_d = math.gcd(D, 256)  # 256, or 64 for the 576-wide V3.2 rows
+        # 256 columns a program, the last block masked where D is not a multiple (576: three
+        # programs a row; the 64-column programs of gcd(576, 256) left the fold with a
+        # quarter of the loads in flight and nine reads of each entry's position)
+        block_d = min(256, next_pow2(D))
         for t0 in range(0, T, chunk):
             n_tok = min(chunk, T - t0)
             launch(t0, n_tok, partial, new_flags(n_tok))
@@ -214,9 +221,9 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             ids = torch.where(valid, ids, N).reshape(-1).to(key_dtype)
             sorted_ids, order = torch.sort(ids, stable=True)
             seg = torch.searchsorted(sorted_ids, rows)
-            _dkv_reduce_kernel[(N, D // block_d)](
+            _dkv_reduce_kernel[(N, triton.cdiv(D, block_d))](
                 partial, order, seg, acc, K, k_stride,
-                D=D, BLOCK_D=block_d, N_HB=n_part, num_warps=4,
+                D=D, BLOCK_D=block_d, N_HB=n_part, MASK_D=D % block_d != 0, num_warps=4,
             )
 
     grad_kv = torch.empty((N, D), dtype=kv.dtype, device=dev)
