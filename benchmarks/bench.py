@@ -5,7 +5,8 @@
     python benchmarks/bench.py --backward-sweep [--cudnn DIR]   # the backward side by side
     python benchmarks/report.py                      # README tables and docs/performance/bench.png
 
-Default table: T=4096, D=512, bf16, a sink, DeepSeek ids (``dsv4_sparse_attn.testing.
+Default table: T=4096, D=512 (then three rows of the 576/512 layout: D=576, d_v=512), bf16,
+a sink, DeepSeek ids (``dsv4_sparse_attn.testing.
 deepseek_indices(pool="random")``: a causal window of 128 rows, then uniform ids into a pool
 of T/4 compressed rows stored after the T raw rows), seed 0. Per shape: the forward with the
 kernel the dispatcher picks and, where both take the call, with "gluon_sm90" and "triton"
@@ -20,7 +21,8 @@ backward with ``--cudnn DIR`` (DIR holds ``cudnn_peer.py``). Ids as cuDNN's side
 script makes them: window + distinct pool ids, N = T + max(T/4, K); at T = 131072 causal pool
 ids (and a T = 4096 causal row to compare with). No grad_lse (cuDNN takes none).
 
-TFLOPS count every slot, masked or not: forward 4*T*H*K*D, backward 10*T*H*K*D, over the
+TFLOPS count every slot, masked or not: forward 4*T*H*K*D, backward 10*T*H*K*D (with d_v:
+2*T*H*K*(D + d_v) and 2*T*H*K*(3*D + 2*d_v)), over the
 median time of a call (``triton.testing.do_bench``, L2 flushed before each timed call; calls
 over 100 ms: one warm-up and three calls timed with CUDA events). "extra" is the peak memory
 allocated during a call beyond its inputs and outputs.
@@ -65,6 +67,14 @@ SHAPES = [  # (H, K, label)
     (32, 1152, "V4-Pro TP4"),
 ]
 QUICK_SHAPES = (1, 5)  # V4-Flash CSA (the Gluon kernels) and V4-Pro TP8 (Triton forward)
+# The DeepSeek-V3.2 / GLM-5 layout after the D = 512 rows: q.k over 576 columns, values over
+# the first 512 (d_v); (H, K, label), run at D = 576, d_v = 512 unless --no-v32.
+V32_SHAPES = [
+    (64, 640, "V3.2 layout"),
+    (128, 1152, "V3.2 layout"),
+    (64, 2048, "V3.2 layout"),
+]
+V32_D, V32_DV = 576, 512
 
 # The backward side by side: (T, H, K, ids).
 SWEEP = (  # T = 4096 first: a run cut short by its time limit keeps the most-used rows
@@ -110,6 +120,13 @@ def make_inputs(T, H, K, D, *, pool="random", n_pool=None, seed=0, dev="cuda"):
     return q, kv, idx, sink
 
 
+def flops(T, H, K, D, d_v=None):
+    """(forward, backward) FLOPs: 2*T*H*K*(D + d_v) and 2*T*H*K*(3*D + 2*d_v), which are
+    4*T*H*K*D and 10*T*H*K*D when d_v = D (the scores over D columns, the values over d_v)."""
+    d_v = D if d_v is None else d_v
+    return 2 * T * H * K * (D + d_v), 2 * T * H * K * (3 * D + 2 * d_v)
+
+
 def backward_inputs(T, H, K, D, dev="cuda", **kw):
     """``make_inputs`` plus what a backward takes: the forward's out and lse (the default
     kernel, scale D**-0.5) and random grad_out and grad_lse.
@@ -122,15 +139,16 @@ def backward_inputs(T, H, K, D, dev="cuda", **kw):
     return q, kv, idx, sink, out, lse, do, dl
 
 
-def torch_sparse_mla(q, kv, idx, sink, scale):
-    """Plain PyTorch: gather the rows, bf16 matmuls, fp32 softmax with the sink. Autograd-able."""
+def torch_sparse_mla(q, kv, idx, sink, scale, d_v=None):
+    """Plain PyTorch: gather the rows, bf16 matmuls, fp32 softmax with the sink; values are
+    the rows' first ``d_v`` columns (default all). Autograd-able."""
     valid = (idx >= 0) & (idx < kv.shape[0])
     rows = kv[torch.where(valid, idx, 0).long()]  # [T, K, D]
     s = torch.einsum("thd,tkd->thk", q, rows).float() * scale
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(torch.cat([s, sink[None, :, None].expand(s.shape[0], -1, 1)], -1), -1)
     p = torch.exp(s - lse[..., None])
-    out = torch.einsum("thk,tkd->thd", p.to(q.dtype), rows)
+    out = torch.einsum("thk,tkd->thd", p.to(q.dtype), rows if d_v is None else rows[..., :d_v])
     return out, lse
 
 
@@ -188,16 +206,16 @@ def backward_mode(deterministic):
         dsv4_sparse_attn.set_deterministic_backward(None)
 
 
-def kernel_name(direction, q, deterministic=True):
+def kernel_name(direction, q, deterministic=True, d_v=None):
     """The kernel the dispatcher runs for this call now (under any ``use_kernels``)."""
-    return dispatch.choose(direction, Call.of(q, deterministic))[0]
+    return dispatch.choose(direction, Call.of(q, deterministic, d_v=d_v or q.shape[-1]))[0]
 
 
-def rejection(direction, name, q, deterministic=True):
+def rejection(direction, name, q, deterministic=True, d_v=None):
     """Why kernel ``name`` does not take this call, or None if it does."""
     try:
         with dsv4_sparse_attn.use_kernels(**{direction: name}):
-            kernel_name(direction, q, deterministic)
+            kernel_name(direction, q, deterministic, d_v)
     except ValueError as e:
         return str(e).split("does not take this call: ", 1)[-1]
     return None
@@ -222,18 +240,22 @@ def cosine(a, b):
 
 
 # --------------------------------------------------------------------------- default table
-def table_row(T, H, K, D, label, timing, with_torch=True):
+def table_row(T, H, K, D, label, timing, with_torch=True, d_v=None):
+    """``d_v``: values narrower than the keys (the 576/512 layout), else None."""
     q, kv, idx, sink = make_inputs(T, H, K, D)
     scale = D ** -0.5
-    fl_f, fl_b = 4 * T * H * K * D, 10 * T * H * K * D
+    fl_f, fl_b = flops(T, H, K, D, d_v)
     row = dict(label=label, T=T, H=H, K=K, D=D, N=kv.shape[0])
+    if d_v is not None:
+        row["d_v"] = d_v
 
-    fwd = lambda: torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)  # noqa: E731
+    fwd = lambda: torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale, None, d_v)  # noqa: E731
     out, lse = fwd()
-    row["fwd"] = dict(kernel=kernel_name("forward", q), **measure(fwd, fl_f, timing, keep=(out, lse)))
+    row["fwd"] = dict(kernel=kernel_name("forward", q, d_v=d_v),
+                      **measure(fwd, fl_f, timing, keep=(out, lse)))
     row["fwd"]["gather_gbs"] = T * K * D * 2 / row["fwd"]["ms"] * 1e-6
     # Each forward kernel: forced where both take the call, else the default figure again.
-    takes = {n: rejection("forward", n, q) for n in FORWARD_KERNELS}
+    takes = {n: rejection("forward", n, q, d_v=d_v) for n in FORWARD_KERNELS}
     row["fwd_kernels"] = {}
     for name, reason in takes.items():
         if reason is not None:
@@ -245,18 +267,21 @@ def table_row(T, H, K, D, label, timing, with_torch=True):
             row["fwd_kernels"][name] = dict(ms=row["fwd"]["ms"], tflops=row["fwd"]["tflops"], forced=False)
 
     do, dl = torch.randn_like(out), torch.randn_like(lse)
-    bwd = lambda: torch.ops.dsv4.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, scale)  # noqa: E731
+
+    def bwd():
+        return torch.ops.dsv4.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, scale, None, d_v)
+
     row["bwd"], row["bwd_triton"] = {}, {}
     for mode, det in MODES:
         with backward_mode(det):
             g = bwd()
-            name = kernel_name("backward", q, det)
+            name = kernel_name("backward", q, det, d_v=d_v)
             row["bwd"][mode] = dict(kernel=name, **measure(bwd, fl_b, timing, keep=g))
             del g
             if name == "triton":
                 row["bwd_triton"][mode] = dict(ms=row["bwd"][mode]["ms"], tflops=row["bwd"][mode]["tflops"],
                                                forced=False)
-            elif rejection("backward", "triton", q, det) is None:
+            elif rejection("backward", "triton", q, det, d_v=d_v) is None:
                 with dsv4_sparse_attn.use_kernels(backward="triton"):
                     row["bwd_triton"][mode] = dict(attempt(lambda: measure(bwd, fl_b, timing)), forced=True)
 
@@ -264,17 +289,18 @@ def table_row(T, H, K, D, label, timing, with_torch=True):
     qg, kvg, sg = (x.detach().requires_grad_() for x in (q, kv, sink))
 
     def step_ours():
-        o, lse_ = torch.ops.dsv4.sparse_mla(qg, kvg, idx, sg, scale)
+        o, lse_ = torch.ops.dsv4.sparse_mla(qg, kvg, idx, sg, scale, None, d_v)
         torch.autograd.backward((o, lse_), (do, dl))
 
     det = dsv4_sparse_attn.deterministic_backward()
     row["step"] = dict(ms=bench(step_ours, *timing), mode="deterministic" if det else "fast",
-                       fwd_kernel=kernel_name("forward", q), bwd_kernel=kernel_name("backward", q, det))
+                       fwd_kernel=kernel_name("forward", q, d_v=d_v),
+                       bwd_kernel=kernel_name("backward", q, det, d_v=d_v))
     if with_torch:
-        tf = lambda: torch_sparse_mla(q, kv, idx, sink, scale)  # noqa: E731
+        tf = lambda: torch_sparse_mla(q, kv, idx, sink, scale, d_v)  # noqa: E731
 
         def step_torch():
-            o, lse_ = torch_sparse_mla(qg, kvg, idx, sg, scale)
+            o, lse_ = torch_sparse_mla(qg, kvg, idx, sg, scale, d_v)
             torch.autograd.backward((o, lse_), (do, dl))
 
         def torch_figures():
@@ -431,6 +457,9 @@ def parse_args(argv=None):
     ap.add_argument("--D", type=int, default=512)
     ap.add_argument("--quick", action="store_true", help="a reduced set with short timings, for smoke runs")
     ap.add_argument("--no-torch", action="store_true", help="leave out plain PyTorch")
+    ap.add_argument("--no-v32", action="store_true",
+                    help="leave out the 576/512 rows of the default table (also left out with --quick "
+                         "and --shapes)")
     ap.add_argument("--json", metavar="PATH", help="results JSON (default: benchmarks/results/"
                     "<date>_<gpu>_triton<version>[_bwd-sweep][_quick].json)")
     ap.add_argument("--out", metavar="PATH", help="also write the Markdown table here")
@@ -479,7 +508,9 @@ def main(argv=None):
                     "cudnn": a.cudnn, "cudnn_error": peer_error}
         doc = document("backward_sweep", settings, a.quick)
     else:
-        rows = [(T, *SHAPES[i]) for T in (a.Ts or [4096]) for i in a.shape_rows]
+        rows = [(T, *SHAPES[i], a.D, None) for T in (a.Ts or [4096]) for i in a.shape_rows]
+        if not (a.no_v32 or a.quick or a.shapes != "all"):
+            rows += [(T, H, K, label, V32_D, V32_DV) for T in (a.Ts or [4096]) for H, K, label in V32_SHAPES]
         settings = {"D": a.D, "dtype": "bfloat16", "sink": True, "seed": 0,
                     "ids": "testing.deepseek_indices(window=128, n_pool=T//4, pool='random')",
                     "timing_ms": {"warmup": timing[0], "rep": timing[1], "slow_ms": SLOW_MS,
@@ -493,9 +524,9 @@ def main(argv=None):
             print(f"T={T} H={H} K={K} ids={ids}", flush=True)
             row = sweep_row(T, H, K, ids, a.D, timing, peer, with_torch=not a.no_torch)
         else:
-            T, H, K, label = r
-            print(f"{label}: T={T} H={H} K={K}", flush=True)
-            row = table_row(T, H, K, a.D, label, timing, with_torch=not a.no_torch)
+            T, H, K, label, D, d_v = r
+            print(f"{label}: T={T} H={H} K={K} D={D}" + (f" d_v={d_v}" if d_v else ""), flush=True)
+            row = table_row(T, H, K, D, label, timing, with_torch=not a.no_torch, d_v=d_v)
         doc["rows"].append(row)
         print(json.dumps(row), flush=True)
         write(doc, path)

@@ -74,7 +74,7 @@ def validate(doc: dict) -> dict:
     Envelope: schema (1), kind ("table" or "backward_sweep"), quick, complete, date,
     timestamp, commit, gpu {name, sm_count, ...}, versions {torch, triton, python, ...},
     command, settings, rows.
-    Table row: label, T, H, K, D; fwd {kernel, ms, tflops, extra_gib}; fwd_kernels {name:
+    Table row: label, T, H, K, D, optional d_v; fwd {kernel, ms, tflops, extra_gib}; fwd_kernels {name:
     {ms, tflops} or {rejected} or {error}}; bwd {fast, deterministic: {kernel, ms, tflops,
     extra_gib}}; bwd_triton {mode: {ms, tflops}} (empty where Triton is not run); step {ms,
     mode}; optional torch {fwd_ms, fwd_tflops, fwd_extra_gib, step_ms} and step_speedup.
@@ -94,6 +94,7 @@ def validate(doc: dict) -> dict:
         where = f"rows[{i}]"
         for k in ("T", "H", "K", "D"):
             _check(isinstance(r.get(k), int), where, f"no integer {k!r}")
+        _check(r.get("d_v") is None or isinstance(r["d_v"], int), where, "d_v is not an integer")
         if doc["kind"] == "table":
             _check(isinstance(r.get("label"), str), where, "no label")
             _figure(r.get("fwd"), where + ".fwd", ("extra_gib",))
@@ -195,7 +196,8 @@ def table_markdown(doc: dict) -> str:
             + (f"T={Ts[0]}, " if len(Ts) == 1 else "")
             + f"D={'/'.join(map(str, Ds))}, bf16, sink, "
             "DeepSeek ids (window 128 + uniform pool ids, seed 0). "
-            "TFLOPS: forward 4·T·H·K·D, backward 10·T·H·K·D over the median call; **bold**: the forward "
+            "TFLOPS: forward 4·T·H·K·D, backward 10·T·H·K·D over the median call (rows with values "
+            "narrower than keys: 2·T·H·K·(D+d_v) and 2·T·H·K·(3D+2d_v)); **bold**: the forward "
             "kernel the dispatcher picks"
             + (f"; backward main kernel {bwd_kernels[0]}" if one_kernel else "")
             + ". Step: forward + backward through `torch.ops.dsv4.sparse_mla` (default backward mode) "
@@ -223,7 +225,8 @@ def table_markdown(doc: dict) -> str:
         extra = " / ".join(_num(x, 2) for x in (
             _get(r, "fwd", "extra_gib"), _get(r, "bwd", "fast", "extra_gib"),
             _get(r, "bwd", "deterministic", "extra_gib"), _get(r, "torch", "fwd_extra_gib")))
-        cells = ([r["label"]] + ([str(r["T"])] if len(Ts) > 1 else []) + [str(r["H"]), str(r["K"])] + fwd
+        shape = r["label"] + (f" (D={r['D']}, d_v={r['d_v']})" if r.get("d_v") else "")
+        cells = ([shape] + ([str(r["T"])] if len(Ts) > 1 else []) + [str(r["H"]), str(r["K"])] + fwd
                  + [bwd, tri, step, speed, _num(_get(r, "torch", "fwd_tflops")), extra])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -307,8 +310,10 @@ def plot(png: str, table=None, sweep=None) -> str:
     meta = table or sweep
     if table is not None:
         T0 = 4096 if any(r["T"] == 4096 for r in table["rows"]) else table["rows"][0]["T"]
-        shapes = [(r["H"], r["K"], r["label"]) for r in table["rows"] if r["T"] == T0]
-        by_hk = {(r["H"], r["K"]): r for r in table["rows"] if r["T"] == T0}
+        # (the D = 512 rows: the 576/512 ones count other FLOPs and share their (H, K))
+        rows0 = [r for r in table["rows"] if r["T"] == T0 and not r.get("d_v")]
+        shapes = [(r["H"], r["K"], r["label"]) for r in rows0]
+        by_hk = {(r["H"], r["K"]): r for r in rows0}
     else:
         T0 = 4096
         shapes = [(r["H"], r["K"], "") for r in sweep["rows"]

@@ -127,3 +127,23 @@ def test_command_line(readme, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "report.py"), "--results-dir",
                         str(tmp_path / "none")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "no results" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_rows_of_the_v32_layout(tmp_path):
+    """A table with 576/512 rows (bench.py's last three): valid, named with D and d_v in the
+    table, and left out of the figure, whose bars are the D = 512 shapes."""
+    doc = json.load(open(TABLE))
+    v32 = copy.deepcopy(doc["rows"][0])
+    v32.update(label="V3.2 layout", D=576, d_v=512)
+    doc["rows"].append(v32)
+    report.validate(doc)
+    text = report.table_markdown(doc)
+    assert "V3.2 layout (D=576, d_v=512)" in text
+    assert text.count("\n| ") == len(doc["rows"]) + 1  # the header and one line per row
+    png = tmp_path / "bench.png"
+    report.plot(str(png), doc)
+    assert png.read_bytes().startswith(PNG_SIGNATURE)
+    bad = copy.deepcopy(doc)
+    bad["rows"][-1]["d_v"] = "512"
+    with pytest.raises(ValueError, match="d_v"):
+        report.validate(bad)
