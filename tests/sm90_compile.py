@@ -112,6 +112,8 @@ def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stag
         spill_bytes=None,
         wgmma_serialized=None,
         mma_loops=None,
+        # reductions with an L2 cache policy operand (hopper.red_f32x4_lines(EVICT_LAST=True))
+        evict_last_reductions=len(re.findall(r"red\.[\w.]*L2::cache_hint", ptx)),
     )  # (left None only when run_ptxas is off)
     if run_ptxas:
         ptxas = ptxas_for_sm90()
@@ -204,12 +206,13 @@ def compile_forward_gluon(has_sink=True, run_ptxas=True, has_len=False) -> dict:
                         FWD_DIV16, run_ptxas, maxnreg=hopper.MAXNREG)
 
 
-def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None, rope=0) -> dict:
+def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None, rope=0,
+                           evict_last=False) -> dict:
     """``red``: the fast mode (16-byte reductions, in whole lines unless ``lines`` is False;
     default: as the launcher does); else the deterministic partial rows."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
     from dsv4_sparse_attn.kernels import hopper
 
-    consts = dict(D=512, RED=G.red_mode(not red, lines), HAS_LEN=has_len, ROPE=rope)
+    consts = dict(D=512, RED=G.red_mode(not red, lines), HAS_LEN=has_len, ROPE=rope, EVICT_LAST=evict_last)
     return compile_sm90(G._bwd_main_gluon_kernel, BWD_TYPES, consts, hopper.NUM_WARPS, 1, BWD_DIV16,
                         run_ptxas, maxnreg=hopper.MAXNREG)

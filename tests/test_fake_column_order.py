@@ -57,15 +57,12 @@ def test_fake_col_is_a_permutation_within_16_column_groups():
 
 
 def _lines_asm() -> list[str]:
-    """The PTX statements of ``hopper.red_f32x4_lines``, from its source."""
-    import inspect
+    """The PTX statements of ``hopper.red_f32x4_lines`` (``hopper._LINES_PTX_SRC``)."""
     import re
 
     from dsv4_sparse_attn.kernels import hopper
 
-    src = inspect.getsource(hopper)
-    body = src[src.index("def red_f32x4_lines"):]
-    asm = body[body.index('"""{', body.index('inline_asm_elementwise')) + 4: body.index('}"""')]
+    asm = hopper._LINES_PTX_SRC.strip()[1:-1]  # (the braces of the asm block)
     stmts = [s.strip() for line in asm.splitlines() for s in line.split(";")]
     return [s for s in stmts if s and not s.startswith(".reg") and not re.match(r"mov\.b32 \$\d+, 0", s)]
 
@@ -206,3 +203,17 @@ def test_partial_row_stores_use_the_reductions_addresses():
     assert len(stores) == 2
     for op, block in zip(("st.global.cs.v4.f32", "st.global.v4.f32"), stores):
         assert block == [s.replace("red.relaxed.gpu.global.add.v4.f32", op) for s in red]
+
+
+def test_evict_last_variant_differs_only_in_the_cache_policy():
+    """``red_f32x4_lines(..., EVICT_LAST=True)``: the same statements, the four reductions
+    with an L2 evict-last policy operand, and the policy made once at the top."""
+    from dsv4_sparse_attn.kernels import hopper
+
+    base = hopper._LINES_PTX_SRC
+    hinted = hopper._with_evict_last(base)
+    assert hinted.count("createpolicy.fractional.L2::evict_last.b64 pol, 1.0;") == 1
+    assert hinted.count(".L2::cache_hint.v4.f32") == 4 == base.count("red.relaxed.gpu.global.add.v4.f32")
+    policy = "    .reg .b64 pol;\n    createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
+    undo = hinted.replace(policy, "").replace(".L2::cache_hint", "").replace(", pol;", ";")
+    assert undo == base

@@ -112,6 +112,17 @@ def test_gluon_backward_d512_compiles_for_sm90(red, has_len):
         assert all(lp["STG"] == 64 for lp in r["mma_loops"]), r["mma_loops"]
 
 
+def test_gluon_backward_evict_last_option_compiles_for_sm90():
+    """The fast mode with the L2 evict-last policy on its reductions (an A/B option,
+    ``launch(evict_last=True)``): the same budget as without it, and the policy in the PTX."""
+    r = compile_backward_gluon(red=True, evict_last=True)
+    assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
+    assert len(r["mma_loops"]) == 2, r["mma_loops"]
+    assert all(lp["LDL"] <= _reload_allowance(True) for lp in r["mma_loops"]), r["mma_loops"]
+    assert all(lp["REDG4"] == 32 for lp in r["mma_loops"]), r["mma_loops"]
+    assert r["evict_last_reductions"] > 0, r
+
+
 def _reload_allowance(red: bool, has_len: bool = False) -> int:
     """Spill reloads allowed in a block loop: none up to Triton 3.8. Triton 3.9's register
     allocation keeps more 64-bit address values alive across the loop (deterministic /

@@ -58,6 +58,9 @@ ACC_FAKE_ORDER = True  # dKV rows (accumulator and partial rows) are in fake col
 # Whole lines: 6-11% faster at T = 4096 on the H200 under Triton 3.6
 # (docs/performance/backward.md#whole-lines-per-reduction).
 RED_LINES = True
+# The fast mode's whole-line reductions with an L2 evict-last policy (off: an A/B option,
+# ``launch(evict_last=...)``, for accumulators larger than the L2; not yet measured).
+RED_EVICT_LAST = False
 _TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
 _TRITON_38 = _TRITON_VERSION >= (3, 8)
 _TRITON_39 = _TRITON_VERSION >= (3, 9)
@@ -177,7 +180,8 @@ def _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr):
+def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr,
+              EVICT_LAST: gl.constexpr):
     io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired = args
     H, N, K = sizes
     LEN = io[7]
@@ -190,7 +194,7 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
         pid_h = tile % n_hb
         k_end, nb_t, g0 = _tile_blocks(LEN, t_begin + pid_c, K, nb, tcount, bcount, HAS_LEN)
         _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c, pid_h,
-                      n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE)
+                      n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST)
         tcount += 1
         bcount += nb_t
 
@@ -206,14 +210,15 @@ def _dkv_piece(p_smem, ds_smem, do_smem, q_smem, quarter, hh: gl.constexpr, zero
 
 
 @gluon.jit
-def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr):
+def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
+                EVICT_LAST: gl.constexpr):
     """acc[slot, c] to row row_ptr[slot], column c: added to the fake-ordered fp32
     accumulator (``RED``; only the slots whose ``on`` is 1), or a partial row: stored, or
     (the follower of a head-block pair) added once to the leader's."""
     if RED:
         on_el = gl.full(acc.shape, 1, gl.int32, acc.type.layout) * on[:, None]
         if RED >= 2:  # whole 128-byte lines per instruction
-            red_f32x4_lines(fake_group_base(row_ptr, offs_d), acc, on_el)
+            red_f32x4_lines(fake_group_base(row_ptr, offs_d), acc, on_el, EVICT_LAST)
         else:
             red_f32x4_fake(fake_group_base(row_ptr, offs_d), acc, on_el)
     else:  # partial rows, in the same fake column order (16-byte stores and adds)
@@ -230,7 +235,7 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr):
 @gluon.jit
 def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb, tcount,
                   paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr,
-                  ROPE: gl.constexpr):
+                  ROPE: gl.constexpr, EVICT_LAST: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1): slot blocks 0..nb_t-1
     (the first of them the barriers' ``g0``-th), ids past slot ``k_end`` masked; ``nb``
     blocks per token in the partial-row buffer."""
@@ -400,26 +405,29 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         if pace:  # no more than _LAG blocks ahead of the follower's adds
             while gl.atomic_add(done_ptr, 0, sem="relaxed", scope="gpu") < j - _LAG:
                 pass
-        _send_piece(row_ptr + (2 * WG * _QD), offs_dd, acc, on, follower, paired, RED)
+        _send_piece(row_ptr + (2 * WG * _QD), offs_dd, acc, on, follower, paired, RED, EVICT_LAST)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + 1 + z, 0, dkv_zero)
-        _send_piece(row_ptr + (2 * WG * _QD + 64), offs_dd, acc, on, follower, paired, RED)
+        _send_piece(row_ptr + (2 * WG * _QD + 64), offs_dd, acc, on, follower, paired, RED, EVICT_LAST)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + 1 + z, 1, dkv_zero)
-        _send_piece(row_ptr + ((2 * WG + 1) * _QD), offs_dd, acc, on, follower, paired, RED)
+        _send_piece(row_ptr + ((2 * WG + 1) * _QD), offs_dd, acc, on, follower, paired, RED, EVICT_LAST)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         if ROPE > 0:  # my 32 rope columns of the rows: dS^T Q_rope (no value term)
             rop = warpgroup_mma(ds_smem.index(z).permute((1, 0)), qr_smem.index(z).slice(32 * WG, 32, dim=1),
                                 r_zero, use_acc=False, is_async=True)
-            _send_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, on, follower, paired, RED)
+            _send_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, on, follower, paired, RED,
+                        EVICT_LAST)
             rop = warpgroup_mma_wait(num_outstanding=0, deps=(rop, ))
             mbarrier.arrive(bars.index(_PDS_FREE))  # P and dS read for the last time
             rows_r = gl.convert_layout(row_ptr, gl.SliceLayout(1, r_l))  # (the same rows: no data moves)
             on_r = gl.convert_layout(on, gl.SliceLayout(1, r_l))
-            _send_piece(rows_r + (4 * _QD + 32 * WG), offs_r32, rop, on_r, follower, paired, RED)
+            _send_piece(rows_r + (4 * _QD + 32 * WG), offs_r32, rop, on_r, follower, paired, RED,
+                        EVICT_LAST)
         else:
             mbarrier.arrive(bars.index(_PDS_FREE))  # P and dS read for the last time
-            _send_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, on, follower, paired, RED)
+            _send_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, on, follower, paired, RED,
+                        EVICT_LAST)
         if leader:  # publish: every thread's stores of this block, then the count (release)
             thread_barrier()
             gl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
@@ -458,6 +466,7 @@ def _bwd_main_gluon_kernel(
     RED: gl.constexpr,
     HAS_LEN: gl.constexpr,
     ROPE: gl.constexpr = 0,
+    EVICT_LAST: gl.constexpr = False,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
@@ -504,12 +513,14 @@ def _bwd_main_gluon_kernel(
     # The producer is the default partition (ptxas compiles it under MAXNREG; the
     # consumers get setmaxnreg budgets).
     if ROPE > 0:
-        gl.warp_specialize([(_producer_rope, p_args), (_consumer, (c_args, 0, RED, HAS_LEN, ROPE)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE))],
+        gl.warp_specialize([(_producer_rope, p_args),
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     else:
-        gl.warp_specialize([(_producer, p_args), (_consumer, (c_args, 0, RED, HAS_LEN, ROPE)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE))],
+        gl.warp_specialize([(_producer, p_args),
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
@@ -563,7 +574,7 @@ def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
 
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
-           scale_log2, paired, topk_length=None, lines=None, order=None):
+           scale_log2, paired, topk_length=None, lines=None, order=None, evict_last=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -590,6 +601,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
         D=grad_out.shape[-1], RED=red_mode(partial is not None, lines), HAS_LEN=topk_length is not None,
+        EVICT_LAST=bool(RED_EVICT_LAST if evict_last is None else evict_last) and partial is None,
         ROPE=rope, num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
 

@@ -31,10 +31,123 @@ NUM_WARPS = 4
 MAXNREG = 168
 CONSUMER_REGS = 232
 
+
+# The PTX of ``red_f32x4_lines`` (one instance: 16 registers of a thread; see its docstring).
+# tests/test_fake_column_order.py replays it for every lane.
+_LINES_PTX_SRC = """{
+    .reg .pred odd;
+    .reg .b32 l, t;
+    .reg .b64 o;
+    .reg .pred px;
+    .reg .b32 lox, hix, onx, fx;
+    .reg .b32 vx0, vx1, vx2, vx3;
+    .reg .b32 wx0, wx1, wx2, wx3;
+    .reg .b64 bsx, brx, bax;
+    .reg .pred py;
+    .reg .b32 loy, hiy, ony, fy;
+    .reg .b32 vy0, vy1, vy2, vy3;
+    .reg .b32 wy0, wy1, wy2, wy3;
+    .reg .b64 bsy, bry, bay;
+    mov.u32 l, %laneid;
+    and.b32 t, l, 4;
+    setp.ne.b32 odd, t, 0;
+    and.b32 l, l, 3;
+    mul.wide.u32 o, l, 16;
+    selp.b64 bsx, $16, $24, odd;
+    mov.b64 {lox, hix}, bsx;
+    shfl.sync.bfly.b32 lox, lox, 4, 0x1f, 0xffffffff;
+    shfl.sync.bfly.b32 hix, hix, 4, 0x1f, 0xffffffff;
+    mov.b64 brx, {lox, hix};
+    shfl.sync.bfly.b32 onx, $48, 4, 0x1f, 0xffffffff;
+    selp.b32 vx0, $32, $40, odd;
+    selp.b32 vx1, $33, $41, odd;
+    selp.b32 vx2, $36, $44, odd;
+    selp.b32 vx3, $37, $45, odd;
+    shfl.sync.bfly.b32 vx0, vx0, 4, 0x1f, 0xffffffff;
+    shfl.sync.bfly.b32 vx1, vx1, 4, 0x1f, 0xffffffff;
+    shfl.sync.bfly.b32 vx2, vx2, 4, 0x1f, 0xffffffff;
+    shfl.sync.bfly.b32 vx3, vx3, 4, 0x1f, 0xffffffff;
+    selp.b64 bax, brx, $16, odd;
+    add.s64 bax, bax, o;
+    selp.b32 fx, onx, $48, odd;
+    setp.ne.b32 px, fx, 0;
+    selp.b32 wx0, vx0, $32, odd;
+    selp.b32 wx1, vx1, $33, odd;
+    selp.b32 wx2, vx2, $36, odd;
+    selp.b32 wx3, vx3, $37, odd;
+    @px red.relaxed.gpu.global.add.v4.f32 [bax], {wx0, wx1, wx2, wx3};
+    selp.b64 bax, $24, brx, odd;
+    add.s64 bax, bax, o;
+    selp.b32 fx, $48, onx, odd;
+    setp.ne.b32 px, fx, 0;
+    selp.b32 wx0, $40, vx0, odd;
+    selp.b32 wx1, $41, vx1, odd;
+    selp.b32 wx2, $44, vx2, odd;
+    selp.b32 wx3, $45, vx3, odd;
+    @px red.relaxed.gpu.global.add.v4.f32 [bax], {wx0, wx1, wx2, wx3};
+    selp.b64 bsy, $18, $26, odd;
+    mov.b64 {loy, hiy}, bsy;
+    shfl.sync.bfly.b32 loy, loy, 4, 0x1f, 0xffffffff;
+    shfl.sync.bfly.b32 hiy, hiy, 4, 0x1f, 0xffffffff;
+    mov.b64 bry, {loy, hiy};
+    shfl.sync.bfly.b32 ony, $50, 4, 0x1f, 0xffffffff;
+    selp.b32 vy0, $34, $42, odd;
+    selp.b32 vy1, $35, $43, odd;
+    selp.b32 vy2, $38, $46, odd;
+    selp.b32 vy3, $39, $47, odd;
+    shfl.sync.bfly.b32 vy0, vy0, 4, 0x1f, 0xffffffff;
+    shfl.sync.bfly.b32 vy1, vy1, 4, 0x1f, 0xffffffff;
+    shfl.sync.bfly.b32 vy2, vy2, 4, 0x1f, 0xffffffff;
+    shfl.sync.bfly.b32 vy3, vy3, 4, 0x1f, 0xffffffff;
+    selp.b64 bay, bry, $18, odd;
+    add.s64 bay, bay, o;
+    selp.b32 fy, ony, $50, odd;
+    setp.ne.b32 py, fy, 0;
+    selp.b32 wy0, vy0, $34, odd;
+    selp.b32 wy1, vy1, $35, odd;
+    selp.b32 wy2, vy2, $38, odd;
+    selp.b32 wy3, vy3, $39, odd;
+    @py red.relaxed.gpu.global.add.v4.f32 [bay], {wy0, wy1, wy2, wy3};
+    selp.b64 bay, $26, bry, odd;
+    add.s64 bay, bay, o;
+    selp.b32 fy, $50, ony, odd;
+    setp.ne.b32 py, fy, 0;
+    selp.b32 wy0, $42, vy0, odd;
+    selp.b32 wy1, $43, vy1, odd;
+    selp.b32 wy2, $46, vy2, odd;
+    selp.b32 wy3, $47, vy3, odd;
+    @py red.relaxed.gpu.global.add.v4.f32 [bay], {wy0, wy1, wy2, wy3};
+    mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
+    mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
+    mov.b32 $8, 0; mov.b32 $9, 0; mov.b32 $10, 0; mov.b32 $11, 0;
+    mov.b32 $12, 0; mov.b32 $13, 0; mov.b32 $14, 0; mov.b32 $15, 0;
+}"""
+_LINES_CONSTRAINTS_SRC = ("=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,"
+                          "l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,"
+                          "r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,"
+                          "r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r")
+
+
+def _with_evict_last(ptx: str) -> str:
+    """``ptx`` with an L2 evict-last cache policy on each reduction (``createpolicy``, then
+    ``red...add.L2::cache_hint``, PTX 7.4+ / sm_80+): the accumulator's lines are the last
+    the L2 evicts, which matters once the fp32 [N, D] rows outgrow it (T = 32768: 84 MB)."""
+    policy = "    .reg .b64 pol;\n    createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
+    ptx = ptx.replace("{\n", "{\n" + policy, 1)
+    for v in ("wx", "wy"):
+        ptx = ptx.replace(f"red.relaxed.gpu.global.add.v4.f32 [ba{v[1]}], {{{v}0, {v}1, {v}2, {v}3}};",
+                          f"red.relaxed.gpu.global.add.L2::cache_hint.v4.f32 [ba{v[1]}], "
+                          f"{{{v}0, {v}1, {v}2, {v}3}}, pol;")
+    return ptx
+
+
 if gl is not None:
     # the same two numbers, for use inside the kernels
     PARTITION_WARPS = gl.constexpr(NUM_WARPS)
     PARTITION_REGS = gl.constexpr(CONSUMER_REGS)
+    _LINES_PTX = gl.constexpr(_LINES_PTX_SRC)
+    _LINES_PTX_EVICT_LAST = gl.constexpr(_with_evict_last(_LINES_PTX_SRC))
+    _LINES_CONSTRAINTS = gl.constexpr(_LINES_CONSTRAINTS_SRC)
     # cp.async gather into shared memory (3.8+: async_load)
     async_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
     # barrier of the threads of a partition (3.7+: gl.barrier)
@@ -168,7 +281,7 @@ if gl is not None:
                 [group_base, acc, on], dtype=gl.int32, is_pure=False, pack=8)
 
     @gluon.jit
-    def red_f32x4_lines(group_base, acc, on):
+    def red_f32x4_lines(group_base, acc, on, EVICT_LAST: gl.constexpr = False):
         """``red_f32x4_fake`` with whole 128-byte lines: the same sums into the same
         fake-ordered rows, but each reduction instruction of a warp adds 4 rows x 128 bytes
         instead of 8 rows x 64 bytes (half the L2 requests for the same bytes).
@@ -182,102 +295,14 @@ if gl is not None:
         Then instruction A adds row 2p (even quad: its own group g, odd quad: the received
         group g + 1) and instruction B row 2p + 1, each a contiguous 128-byte line; likewise
         for rows + 8. $0-$15 are dummy outputs, $16-$31 the group bases, $32-$47 the values,
-        $48-$63 ``on``.
+        $48-$63 ``on``. ``EVICT_LAST``: the reductions carry an L2 evict-last policy (an A/B
+        option for accumulators larger than L2; see ``_LINES_PTX_EVICT_LAST``).
         """
-        return gl.inline_asm_elementwise(
-            """{
-            .reg .pred odd;
-            .reg .b32 l, t;
-            .reg .b64 o;
-            .reg .pred px;
-            .reg .b32 lox, hix, onx, fx;
-            .reg .b32 vx0, vx1, vx2, vx3;
-            .reg .b32 wx0, wx1, wx2, wx3;
-            .reg .b64 bsx, brx, bax;
-            .reg .pred py;
-            .reg .b32 loy, hiy, ony, fy;
-            .reg .b32 vy0, vy1, vy2, vy3;
-            .reg .b32 wy0, wy1, wy2, wy3;
-            .reg .b64 bsy, bry, bay;
-            mov.u32 l, %laneid;
-            and.b32 t, l, 4;
-            setp.ne.b32 odd, t, 0;
-            and.b32 l, l, 3;
-            mul.wide.u32 o, l, 16;
-            selp.b64 bsx, $16, $24, odd;
-            mov.b64 {lox, hix}, bsx;
-            shfl.sync.bfly.b32 lox, lox, 4, 0x1f, 0xffffffff;
-            shfl.sync.bfly.b32 hix, hix, 4, 0x1f, 0xffffffff;
-            mov.b64 brx, {lox, hix};
-            shfl.sync.bfly.b32 onx, $48, 4, 0x1f, 0xffffffff;
-            selp.b32 vx0, $32, $40, odd;
-            selp.b32 vx1, $33, $41, odd;
-            selp.b32 vx2, $36, $44, odd;
-            selp.b32 vx3, $37, $45, odd;
-            shfl.sync.bfly.b32 vx0, vx0, 4, 0x1f, 0xffffffff;
-            shfl.sync.bfly.b32 vx1, vx1, 4, 0x1f, 0xffffffff;
-            shfl.sync.bfly.b32 vx2, vx2, 4, 0x1f, 0xffffffff;
-            shfl.sync.bfly.b32 vx3, vx3, 4, 0x1f, 0xffffffff;
-            selp.b64 bax, brx, $16, odd;
-            add.s64 bax, bax, o;
-            selp.b32 fx, onx, $48, odd;
-            setp.ne.b32 px, fx, 0;
-            selp.b32 wx0, vx0, $32, odd;
-            selp.b32 wx1, vx1, $33, odd;
-            selp.b32 wx2, vx2, $36, odd;
-            selp.b32 wx3, vx3, $37, odd;
-            @px red.relaxed.gpu.global.add.v4.f32 [bax], {wx0, wx1, wx2, wx3};
-            selp.b64 bax, $24, brx, odd;
-            add.s64 bax, bax, o;
-            selp.b32 fx, $48, onx, odd;
-            setp.ne.b32 px, fx, 0;
-            selp.b32 wx0, $40, vx0, odd;
-            selp.b32 wx1, $41, vx1, odd;
-            selp.b32 wx2, $44, vx2, odd;
-            selp.b32 wx3, $45, vx3, odd;
-            @px red.relaxed.gpu.global.add.v4.f32 [bax], {wx0, wx1, wx2, wx3};
-            selp.b64 bsy, $18, $26, odd;
-            mov.b64 {loy, hiy}, bsy;
-            shfl.sync.bfly.b32 loy, loy, 4, 0x1f, 0xffffffff;
-            shfl.sync.bfly.b32 hiy, hiy, 4, 0x1f, 0xffffffff;
-            mov.b64 bry, {loy, hiy};
-            shfl.sync.bfly.b32 ony, $50, 4, 0x1f, 0xffffffff;
-            selp.b32 vy0, $34, $42, odd;
-            selp.b32 vy1, $35, $43, odd;
-            selp.b32 vy2, $38, $46, odd;
-            selp.b32 vy3, $39, $47, odd;
-            shfl.sync.bfly.b32 vy0, vy0, 4, 0x1f, 0xffffffff;
-            shfl.sync.bfly.b32 vy1, vy1, 4, 0x1f, 0xffffffff;
-            shfl.sync.bfly.b32 vy2, vy2, 4, 0x1f, 0xffffffff;
-            shfl.sync.bfly.b32 vy3, vy3, 4, 0x1f, 0xffffffff;
-            selp.b64 bay, bry, $18, odd;
-            add.s64 bay, bay, o;
-            selp.b32 fy, ony, $50, odd;
-            setp.ne.b32 py, fy, 0;
-            selp.b32 wy0, vy0, $34, odd;
-            selp.b32 wy1, vy1, $35, odd;
-            selp.b32 wy2, vy2, $38, odd;
-            selp.b32 wy3, vy3, $39, odd;
-            @py red.relaxed.gpu.global.add.v4.f32 [bay], {wy0, wy1, wy2, wy3};
-            selp.b64 bay, $26, bry, odd;
-            add.s64 bay, bay, o;
-            selp.b32 fy, $50, ony, odd;
-            setp.ne.b32 py, fy, 0;
-            selp.b32 wy0, $42, vy0, odd;
-            selp.b32 wy1, $43, vy1, odd;
-            selp.b32 wy2, $46, vy2, odd;
-            selp.b32 wy3, $47, vy3, odd;
-            @py red.relaxed.gpu.global.add.v4.f32 [bay], {wy0, wy1, wy2, wy3};
-            mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
-            mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
-            mov.b32 $8, 0; mov.b32 $9, 0; mov.b32 $10, 0; mov.b32 $11, 0;
-            mov.b32 $12, 0; mov.b32 $13, 0; mov.b32 $14, 0; mov.b32 $15, 0;
-            }""",
-            "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,"
-            "l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,"
-            "r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,"
-            "r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-            [group_base, acc, on], dtype=gl.int32, is_pure=False, pack=16)
+        if EVICT_LAST:
+            return gl.inline_asm_elementwise(_LINES_PTX_EVICT_LAST, _LINES_CONSTRAINTS, [group_base, acc, on],
+                                             dtype=gl.int32, is_pure=False, pack=16)
+        return gl.inline_asm_elementwise(_LINES_PTX, _LINES_CONSTRAINTS, [group_base, acc, on],
+                                         dtype=gl.int32, is_pure=False, pack=16)
 
 
 def balanced_order(topk_length: torch.Tensor, chunk: int, programs: int, n_hb: int) -> torch.Tensor:
