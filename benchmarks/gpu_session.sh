@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_session.sh sanitize-properties  # its first examples under compute-sanitizer
 #                                          # initcheck and memcheck; sanitize_case.py under initcheck
 #   bash benchmarks/gpu_session.sh features  # topk_length and the 576/512 layout (features_bench.py)
+#   bash benchmarks/gpu_session.sh experiments  # A/B: evict_last_bench.py, proto_ab.py
 #   bash benchmarks/gpu_session.sh triton-next  # GPU kernel tests and a quick bench under the
 #                                          # Triton unpacked from .t39/triton*.tar.xz (a stripped
 #                                          # cp312 wheel: docs/performance/method.md#another-triton)
@@ -102,6 +103,12 @@ sanitize-properties)
 features)
   timeout 400 python3 benchmarks/features_bench.py 2>&1 | tee "$OUT/features.log" | grep -v '^{'
   mkdir -p "$OUT/results" && cp benchmarks/results/*_features*.json "$OUT/results/" 2>/dev/null
+  ;;
+experiments)
+  # A/B runs of options that are off by default until measured (docs/performance/backward.md):
+  # the L2 evict-last reductions, then the deterministic and 576/512 backward timings again
+  timeout 300 python3 benchmarks/experiments/evict_last_bench.py 2>&1 | tee "$OUT/evict_last.jsonl"
+  PROTO_AB_SHORT=1 timeout 240 python3 benchmarks/experiments/proto_ab.py 2>&1 | tee "$OUT/proto_ab.jsonl"
   ;;
 triton-next)
   tarball=$(ls .t39/triton*.tar.xz 2>/dev/null | head -1)
