@@ -177,20 +177,8 @@ def test_whole_line_reductions_put_every_value_at_its_fake_column():
     assert all(got[(r, c)] == want[c] and r not in masked for (r, c) in got)
 
 
-def _asm_blocks(name: str) -> list[list[str]]:
-    """The PTX statements of each inline asm in ``hopper.<name>``, from its source."""
-    import inspect
-
-    from dsv4_sparse_attn.kernels import hopper
-
-    src = inspect.getsource(hopper)
-    body = src[src.index(f"def {name}("):]
-    body = body[:body.index("\n    @gluon.jit")] if "\n    @gluon.jit" in body else body
-    blocks = []
-    for chunk in body.split('"""{')[1:]:
-        asm = chunk[:chunk.index('}"""')]
-        blocks.append([s.strip() for line in asm.splitlines() for s in line.split(";") if s.strip()])
-    return blocks
+def _statements(ptx: str) -> list[str]:
+    return [s.strip() for line in ptx.strip()[1:-1].splitlines() for s in line.split(";") if s.strip()]
 
 
 def test_partial_row_stores_use_the_reductions_addresses():
@@ -198,11 +186,14 @@ def test_partial_row_stores_use_the_reductions_addresses():
     streaming) is ``red_f32x4_fake`` with each reduction replaced by a store of the same
     registers at the same address: the rows land in the fake column order the fold and
     the conversion expect (test above)."""
-    (red,) = _asm_blocks("red_f32x4_fake")
-    stores = _asm_blocks("st_f32x4_fake")
-    assert len(stores) == 2
-    for op, block in zip(("st.global.cs.v4.f32", "st.global.v4.f32"), stores):
-        assert block == [s.replace("red.relaxed.gpu.global.add.v4.f32", op) for s in red]
+    from dsv4_sparse_attn.kernels import hopper
+
+    red = _statements(hopper._FAKE_PTX_SRC)
+    assert sum("red.relaxed.gpu.global.add.v4.f32 [" in s for s in red) == 2
+    for op, ptx in (("st.global.v4.f32", hopper._ST_PTX_SRC), ("st.global.cs.v4.f32", hopper._ST_CS_PTX_SRC)):
+        stores = _statements(ptx)
+        assert sum(op + " [" in s for s in stores) == 2 and not any("red." in s for s in stores)
+        assert stores == [s.replace("red.relaxed.gpu.global.add.v4.f32", op) for s in red]
 
 
 def test_evict_last_variant_differs_only_in_the_cache_policy():

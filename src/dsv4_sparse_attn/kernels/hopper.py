@@ -32,6 +32,29 @@ MAXNREG = 168
 CONSUMER_REGS = 232
 
 
+# The PTX of ``red_f32x4_fake`` (one instance: 8 registers of a thread; see its docstring)
+# and of ``st_f32x4_fake``, the same addressing with stores (plain, or streaming: ``.cs``).
+_FAKE_PTX_SRC = """{
+    .reg .pred p, p8;
+    .reg .b32 l;
+    .reg .b64 o, o8;
+    setp.ne.b32 p, $24, 0;
+    setp.ne.b32 p8, $26, 0;
+    mov.u32 l, %laneid;
+    and.b32 l, l, 3;
+    mul.wide.u32 o, l, 16;
+    add.s64 o8, o, $10;
+    add.s64 o, o, $8;
+    @p red.relaxed.gpu.global.add.v4.f32 [o], {$16, $17, $20, $21};
+    @p8 red.relaxed.gpu.global.add.v4.f32 [o8], {$18, $19, $22, $23};
+    mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
+    mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
+}"""
+_FAKE_RED = "red.relaxed.gpu.global.add.v4.f32"
+_ST_PTX_SRC = _FAKE_PTX_SRC.replace(_FAKE_RED, "st.global.v4.f32")
+_ST_CS_PTX_SRC = _FAKE_PTX_SRC.replace(_FAKE_RED, "st.global.cs.v4.f32")
+_FAKE_CONSTRAINTS_SRC = "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r"
+
 # The PTX of ``red_f32x4_lines`` (one instance: 16 registers of a thread; see its docstring).
 # tests/test_fake_column_order.py replays it for every lane.
 _LINES_PTX_SRC = """{
@@ -145,6 +168,10 @@ if gl is not None:
     # the same two numbers, for use inside the kernels
     PARTITION_WARPS = gl.constexpr(NUM_WARPS)
     PARTITION_REGS = gl.constexpr(CONSUMER_REGS)
+    _FAKE_PTX = gl.constexpr(_FAKE_PTX_SRC)
+    _ST_PTX = gl.constexpr(_ST_PTX_SRC)
+    _ST_CS_PTX = gl.constexpr(_ST_CS_PTX_SRC)
+    _FAKE_CONSTRAINTS = gl.constexpr(_FAKE_CONSTRAINTS_SRC)
     _LINES_PTX = gl.constexpr(_LINES_PTX_SRC)
     _LINES_PTX_EVICT_LAST = gl.constexpr(_with_evict_last(_LINES_PTX_SRC))
     _LINES_CONSTRAINTS = gl.constexpr(_LINES_CONSTRAINTS_SRC)
@@ -213,25 +240,8 @@ if gl is not None:
         a row whose ``on`` is 0 (a masked slot) is not added at all. (The predicate also keeps
         ptxas from serialising the wgmmas, which it did with unpredicated reductions.)
         """
-        return gl.inline_asm_elementwise(
-            """{
-            .reg .pred p, p8;
-            .reg .b32 l;
-            .reg .b64 o, o8;
-            setp.ne.b32 p, $24, 0;
-            setp.ne.b32 p8, $26, 0;
-            mov.u32 l, %laneid;
-            and.b32 l, l, 3;
-            mul.wide.u32 o, l, 16;
-            add.s64 o8, o, $10;
-            add.s64 o, o, $8;
-            @p red.relaxed.gpu.global.add.v4.f32 [o], {$16, $17, $20, $21};
-            @p8 red.relaxed.gpu.global.add.v4.f32 [o8], {$18, $19, $22, $23};
-            mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
-            mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
-            }""",
-            "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-            [group_base, acc, on], dtype=gl.int32, is_pure=False, pack=8)
+        return gl.inline_asm_elementwise(_FAKE_PTX, _FAKE_CONSTRAINTS, [group_base, acc, on], dtype=gl.int32,
+                                         is_pure=False, pack=8)
 
     @gluon.jit
     def st_f32x4_fake(group_base, acc, on, STREAM: gl.constexpr):
@@ -240,45 +250,10 @@ if gl is not None:
         with the streaming hint ``.cs``) instead of the reduction; half the store
         instructions of the wgmma layout's natural pairs. Rows whose ``on`` is 0 are skipped."""
         if STREAM:
-            return gl.inline_asm_elementwise(
-                """{
-                .reg .pred p, p8;
-                .reg .b32 l;
-                .reg .b64 o, o8;
-                setp.ne.b32 p, $24, 0;
-                setp.ne.b32 p8, $26, 0;
-                mov.u32 l, %laneid;
-                and.b32 l, l, 3;
-                mul.wide.u32 o, l, 16;
-                add.s64 o8, o, $10;
-                add.s64 o, o, $8;
-                @p st.global.cs.v4.f32 [o], {$16, $17, $20, $21};
-                @p8 st.global.cs.v4.f32 [o8], {$18, $19, $22, $23};
-                mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
-                mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
-                }""",
-                "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-                [group_base, acc, on], dtype=gl.int32, is_pure=False, pack=8)
-        else:
-            return gl.inline_asm_elementwise(
-                """{
-                .reg .pred p, p8;
-                .reg .b32 l;
-                .reg .b64 o, o8;
-                setp.ne.b32 p, $24, 0;
-                setp.ne.b32 p8, $26, 0;
-                mov.u32 l, %laneid;
-                and.b32 l, l, 3;
-                mul.wide.u32 o, l, 16;
-                add.s64 o8, o, $10;
-                add.s64 o, o, $8;
-                @p st.global.v4.f32 [o], {$16, $17, $20, $21};
-                @p8 st.global.v4.f32 [o8], {$18, $19, $22, $23};
-                mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
-                mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
-                }""",
-                "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-                [group_base, acc, on], dtype=gl.int32, is_pure=False, pack=8)
+            return gl.inline_asm_elementwise(_ST_CS_PTX, _FAKE_CONSTRAINTS, [group_base, acc, on],
+                                             dtype=gl.int32, is_pure=False, pack=8)
+        return gl.inline_asm_elementwise(_ST_PTX, _FAKE_CONSTRAINTS, [group_base, acc, on], dtype=gl.int32,
+                                         is_pure=False, pack=8)
 
     @gluon.jit
     def red_f32x4_lines(group_base, acc, on, EVICT_LAST: gl.constexpr = False):
