@@ -78,3 +78,23 @@ def test_v32_layout_deterministic_fold_interpreted():
     assert relerr(gq, rq) < 6e-3 and relerr(gkv, rkv) < 6e-3 and relerr(gs, rs) < 4e-3
     # the rope columns get dS^T Q only; every column of a selected row was written
     assert relerr(gkv[:, d_v:], rkv[:, d_v:]) < 6e-3
+
+
+def test_sink_gradient_kernel_interpreted():
+    """grad_sink = -sum_t exp(sink - lse) * Delta by segments of 4096 rows (two here, the
+    second partly masked), strided lse, non-finite sinks: as the float64 formula, IEEE
+    cases included (-inf: zero; +inf with finite lse: infinite terms of both signs, NaN)."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
+
+    torch.manual_seed(0)
+    T, H = 4100, 5
+    lse = torch.randn(T, 2 * H)[:, :H]  # rows 2H apart (the backward makes the last dim dense)
+    delta = torch.randn(T, H)
+    sink = torch.tensor([0.5, -1.0, float("-inf"), float("inf"), float("nan")])
+    part = torch.zeros((2, H))
+    kbwd._sink_grad_kernel[(1, 2)](sink, lse, delta, part, T, H, lse.stride(0),
+                                   SEG_T=4096, BLOCK_T=256, BLOCK_H=8, num_warps=4)
+    got = part.sum(0)
+    want = -(torch.exp(sink.double()[None, :] - lse.double()) * delta.double()).sum(0)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert got[2] == 0 and torch.isnan(got[4])  # -inf sink: no gradient; NaN stays NaN

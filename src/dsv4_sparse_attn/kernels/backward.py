@@ -13,7 +13,8 @@
      bits, vary from run to run).
 3. ``_acc_to_kv_kernel``: the accumulator to grad_kv in kv's dtype (undoing the Gluon
    kernel's column order).
-4. grad_sink = -sum_t exp(sink - lse) * Delta, a [T, H] reduction in PyTorch.
+4. grad_sink = -sum_t exp(sink - lse) * Delta (``_sink_grad_kernel``: per-segment sums in a
+   fixed order, then their sum; no [T, H] temporary).
 
 The chunk of tokens bounds the partial rows (``PARTIAL_BYTES``) whatever T is.
 """
@@ -111,6 +112,27 @@ def _dkv_reduce_kernel(
         acc += x6
         acc += x7
     tl.store(ACC + row * D + offs_d, acc, mask=d_ok)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _sink_grad_kernel(SINK, LSE, DELTA, PART, T, H, stride_lt,
+                      SEG_T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """PART[s, h] = -sum over the rows t of segment s (SEG_T rows) of exp(sink[h] - lse[t, h])
+    * Delta[t, h], in a fixed order; grad_sink is the sum of PART over s. (In PyTorch the
+    same took two [T, H] fp32 temporaries: 128 MiB at T = 131072, H = 128.)"""
+    seg = tl.program_id(1)
+    offs_h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    sink = tl.load(SINK + offs_h, mask=h_ok, other=0.0)
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for t0 in range(0, SEG_T, BLOCK_T):
+        offs_t = (seg * SEG_T + t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+        m = (offs_t < T)[:, None] & h_ok[None, :]
+        lse = tl.load(LSE + offs_t[:, None] * stride_lt + offs_h[None, :], mask=m, other=0.0)
+        delta = tl.load(DELTA + offs_t[:, None] * H + offs_h[None, :], mask=m, other=0.0)
+        # (masked lanes add exact zeros, whatever the sink: exp(inf) * 0 would be NaN)
+        acc += tl.sum(tl.where(m, tl.exp(sink[None, :] - lse) * delta, 0.0), 0)
+    tl.store(PART + seg * H + offs_h, -acc, mask=h_ok)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -234,7 +256,13 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             acc, grad_kv, N, D=D, BLOCK_N=block_n, BLOCK_C=block_c,
             FAKE_ORDER=main.ACC_FAKE_ORDER, num_warps=4)
     if attn_sink is not None:
-        grad_sink = -(torch.exp(attn_sink[None, :] - lse) * delta).sum(0)
+        seg_t, block_h = 4096, min(16, next_pow2(H))
+        part = torch.zeros((triton.cdiv(T, seg_t), H), dtype=torch.float32, device=dev)
+        if T > 0 and H > 0:
+            _sink_grad_kernel[(triton.cdiv(H, block_h), part.shape[0])](
+                attn_sink, lse, delta, part, T, H, lse.stride(0),
+                SEG_T=seg_t, BLOCK_T=256, BLOCK_H=block_h, num_warps=4)
+        grad_sink = part.sum(0)
     else:
         grad_sink = torch.empty((0,), dtype=torch.float32, device=dev)
     return grad_q, grad_kv, grad_sink
