@@ -69,6 +69,20 @@ def test_triton_kernels_for_the_v32_layout_compile_for_sm90(H):
         assert f["wgmma"] > 0 and f["mma_sync"] == 0 and b["wgmma"] > 0 and b["mma_sync"] == 0, (f, b)
 
 
+@pytest.mark.parametrize("D", [512, 576])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_deterministic_fold_compiles_for_sm90(rows, D):
+    """The deterministic fold, one or several kv rows per program (``backward.fold_rows``):
+    no shared memory, few registers, (almost) no spill."""
+    from dsv4_sparse_attn.kernels import backward as B
+    from sm90_compile import compile_sm90
+
+    types = dict(PARTIAL="*fp32", ORDER="*i64", SEG="*i64", ACC="*fp32")
+    r = compile_sm90(B._dkv_reduce_kernel, types,
+                     dict(D=D, BLOCK_D=256, N_HB=1, MASK_D=D % 256 != 0, ROWS=rows), 4, 1)
+    assert r["shared"] == 0 and r["registers"] <= 96 and r["spill_bytes"] <= 64, r
+
+
 @pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])
 @pytest.mark.parametrize("has_sink", [True, False])
 def test_gluon_forward_d512_compiles_for_sm90(has_sink, has_len):

@@ -98,3 +98,32 @@ def test_sink_gradient_kernel_interpreted():
     want = -(torch.exp(sink.double()[None, :] - lse.double()) * delta.double()).sum(0)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert got[2] == 0 and torch.isnan(got[4])  # -inf sink: no gradient; NaN stays NaN
+
+
+@pytest.mark.parametrize("rows", [3, 16])
+def test_fold_rows_per_program_give_the_same_bits_interpreted(monkeypatch, rows):
+    """The deterministic fold with several kv rows per program (what long contexts get,
+    ``backward.fold_rows``), N not a multiple of them and most rows untouched: bitwise the
+    gradients of one row per program, and rows no token selects stay zero."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
+    from dsv4_sparse_attn.kernels import backward_triton
+    from dsv4_sparse_attn.kernels import forward_triton as kfwd
+
+    torch.manual_seed(0)
+    T, H, N, K, D = 5, 3, 100, 7, 64
+    q, kv = torch.randn(T, H, D).to(FP), torch.randn(N, D).to(FP)
+    idx = torch.randint(-1, 40, (T, K), dtype=torch.int32)  # rows 40..99 untouched
+    idx[:, 1] = idx[:, 0]
+    sink = torch.randn(H)
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
+    do = torch.randn_like(out)
+
+    def run():
+        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
+                                   main=backward_triton, deterministic=True)
+
+    one = run()
+    monkeypatch.setattr(kbwd, "fold_rows", lambda N, n_sm: rows)
+    many = run()
+    assert all(torch.equal(a, b) for a, b in zip(one, many))
+    assert torch.all(many[1][40:] == 0) and many[1][:40].abs().sum() > 0

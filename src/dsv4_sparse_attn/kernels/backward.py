@@ -72,10 +72,11 @@ def _entry_row(PARTIAL, ORDER, e, end, K, k_stride, offs_d, D: tl.constexpr, N_H
     return x
 
 
-@triton.jit(do_not_specialize=["K", "k_stride"])
+@triton.jit(do_not_specialize=["K", "k_stride", "N"])
 def _dkv_reduce_kernel(
-    PARTIAL, ORDER, SEG, ACC, K, k_stride,
+    PARTIAL, ORDER, SEG, ACC, K, k_stride, N,
     D: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, MASK_D: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """acc[n] += row n's per-slot partials of this chunk, one after the other in sorted
     (token, slot) order: a sequential fold that continues from the previous chunks' sum,
@@ -87,12 +88,25 @@ def _dkv_reduce_kernel(
     deterministic backward took 6.01 ms at H64 K640 against the 4.65 of the 16-entry trees
     this fold replaced: we read it as the loop keeping the loads one after the other.)
     N_HB, the head-block parts per partial row (1 or 2 in practice), is compile-time.
+
+    A program folds ROWS consecutive rows (``fold_rows``) and leaves the rows this chunk does
+    not touch alone: at long contexts most of the N rows get no entry from a chunk, and one
+    program per row, each reading and writing its accumulator row, cost more than the fold.
     """
-    row = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    start = tl.load(SEG + row)
-    end = tl.load(SEG + row + 1)
     d_ok = offs_d < D  # (BLOCK_D columns a program; D = 576 ends in a quarter-used block)
+    for i in range(ROWS):
+        row = tl.program_id(0).to(tl.int64) * ROWS + i
+        # (rows past N read SEG[N] twice: an empty segment)
+        start = tl.load(SEG + tl.minimum(row, N))
+        end = tl.load(SEG + tl.minimum(row + 1, N))
+        if start < end:
+            _fold_row(PARTIAL, ORDER, ACC, row, start, end, K, k_stride, offs_d, d_ok, D, N_HB, MASK_D)
+
+
+@triton.jit
+def _fold_row(PARTIAL, ORDER, ACC, row, start, end, K, k_stride, offs_d, d_ok, D: tl.constexpr,
+              N_HB: tl.constexpr, MASK_D: tl.constexpr):
     acc = tl.load(ACC + row * D + offs_d, mask=d_ok)
     for e0 in range(start, end, 8):
         x0 = _entry_row(PARTIAL, ORDER, e0, end, K, k_stride, offs_d, D, N_HB, MASK_D)
@@ -150,6 +164,16 @@ def _acc_to_kv_kernel(ACC, OUT, N, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK
     m = (rows < N)[:, None]
     x = tl.load(ACC + rows[:, None] * D + src[None, :], mask=m, other=0.0)
     tl.store(OUT + rows[:, None] * D + c[None, :], x.to(OUT.dtype.element_ty), mask=m)
+
+
+def fold_rows(N: int, n_sm: int) -> int:
+    """kv rows per program of the deterministic fold: one while the N rows alone keep every
+    SM busy (T = 4096: N = 5120), more at long contexts, where a chunk touches few of the N
+    rows (T = 131072, H = 64, K = 640: about 34k of 163,840) and a program per row costs
+    more to schedule than its empty segment. Any value gives the same bits."""
+    if n_sm <= 0:
+        return 1
+    return max(1, min(16, N // (n_sm * 32)))
 
 
 def chunk_tokens(T: int, n_hb: int, K: int, D: int, budget: int, n_sm: int = 0) -> int:
@@ -232,6 +256,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         # programs a row; the 64-column programs of gcd(576, 256) left the fold with a
         # quarter of the loads in flight and nine reads of each entry's position)
         block_d = min(256, next_pow2(D))
+        rows_per_program = fold_rows(N, n_sm)
         for t0 in range(0, T, chunk):
             n_tok = min(chunk, T - t0)
             launch(t0, n_tok, partial, new_flags(n_tok))
@@ -243,9 +268,10 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             ids = torch.where(valid, ids, N).reshape(-1).to(key_dtype)
             sorted_ids, order = torch.sort(ids, stable=True)
             seg = torch.searchsorted(sorted_ids, rows)
-            _dkv_reduce_kernel[(N, triton.cdiv(D, block_d))](
-                partial, order, seg, acc, K, k_stride,
-                D=D, BLOCK_D=block_d, N_HB=n_part, MASK_D=D % block_d != 0, num_warps=4,
+            _dkv_reduce_kernel[(triton.cdiv(N, rows_per_program), triton.cdiv(D, block_d))](
+                partial, order, seg, acc, K, k_stride, N,
+                D=D, BLOCK_D=block_d, N_HB=n_part, MASK_D=D % block_d != 0, ROWS=rows_per_program,
+                num_warps=4,
             )
 
     grad_kv = torch.empty((N, D), dtype=kv.dtype, device=dev)
