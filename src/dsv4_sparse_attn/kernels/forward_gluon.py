@@ -223,6 +223,12 @@ def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, HAS_LEN: g
     z = i * gl.program_id(2)
     mine = kv_smem.index(2 * WG + z)
     mine_hi = kv_smem.index(2 * WG + 1 + z)
+    if ROPE > 0:
+        # My block's ids (the softmax's mask), loaded now rather than a pair ahead: the
+        # wait for the block and its S hide the load, and the 16 registers a thread of a
+        # second set of ids, live across the whole pair, are what q's score-only columns
+        # need.
+        my_ids = load_ids(idx_row, (2 * i + WG) * BK, K, offs_c)
     # S of my block (2i + WG): both D halves of my buffer.
     # (the first D half's product starts while the second half is still landing)
     mbarrier.wait(bars.index(_KV_READY + 2 * WG), ph)
@@ -239,8 +245,9 @@ def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, HAS_LEN: g
         # after its own S and P V), so they stay in place until S has read them.
         qr, kvr_smem = rope
         s = warpgroup_mma(qr, kvr_smem.index(WG + z).permute((1, 0)), s, is_async=True)
-    my_ids = ids
-    ids = load_ids(idx_row, (2 * i + 2 + WG) * BK, K, offs_c)
+    else:
+        my_ids = ids
+        ids = load_ids(idx_row, (2 * i + 2 + WG) * BK, K, offs_c)
 
     if WG == 1:
         # Block 2i (consumer 0's): its max is my starting point; apply its P to my half
@@ -334,7 +341,10 @@ def _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, t
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     idx_row = IDX + pid_t * stride_it
-    ids = load_ids(idx_row, WG * BK, K, offs_c)
+    if ROPE > 0:
+        ids = 0  # (each pair loads its own: _consume_pair)
+    else:
+        ids = load_ids(idx_row, WG * BK, K, offs_c)
     m_cur = gl.full([BH], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([BH], gl.float32, layout=row_l)
     acc = gl.zeros([BH, DH], gl.float32, layout=o_layout)
@@ -346,8 +356,8 @@ def _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, t
         qr_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         h_q = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, qr_l))
         c_q = 2 * DH + gl.arange(0, ROPE, layout=gl.SliceLayout(0, qr_l))
-        qr = gl.load(Q + pid_t * stride_qt + h_q[:, None].to(gl.int64) * stride_qh + c_q[None, :],
-                     mask=(h_q < H)[:, None], other=0.0)
+        qr_ptrs = Q + pid_t * stride_qt + h_q[:, None].to(gl.int64) * stride_qh + c_q[None, :]
+        qr = gl.load(qr_ptrs, mask=(h_q < H)[:, None], other=0.0)
         rope = (qr, kvr_smem)
     else:
         rope = 0
@@ -358,7 +368,8 @@ def _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, t
         pair = (i, ph, n_pairs, idx_row, N, K, scale_log2, offs_c, s_zero)
         if HAS_LEN and WG == 1:
             if (2 * i + 1) * BK < K:
-                acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, HAS_LEN, ROPE, rope)
+                acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, HAS_LEN, ROPE,
+                                                     rope)
             else:  # the pair's odd block is all past the token's length
                 acc, l_i, m_cur, ids = _consume_dead_odd_block(smem, pair, acc, l_i, m_cur, ids)
         else:
