@@ -42,6 +42,7 @@ from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_
                      balanced_order, hopper_rejects, load_ids, thread_barrier, tile_token)
 
 BLOCK_H = 64
+_TRITON_39 = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9)
 
 # mbarrier slots
 _Q_READY = gl.constexpr(0)
@@ -508,22 +509,34 @@ MIN_HEADS = 17
 def rejects(call) -> str | None:
     """Why this kernel does not run ``call``'s forward (None: it does). Its whole rule:
     ``hopper.hopper_rejects`` (a Triton with Gluon's Hopper API, an sm_90 GPU, bf16/fp16,
-    D = 512) and H >= MIN_HEADS (fewer heads than a 64-row tile are masked rows)."""
-    reason = hopper_rejects(call)
+    D = 512, or the 576/512 layout: D = 576 with d_v = 512) and H >= MIN_HEADS (fewer heads
+    than a 64-row tile are masked rows).
+
+    The 576/512 layout only under Triton 3.6-3.8: from 3.9 on, its ptxas reloads a spilled
+    value in every block loop of this build (tests/test_sm90_compile.py), and the Triton
+    kernel takes it. (Not yet run on a GPU: docs/performance/forward.md#the-576512-layout-in-gluon.)
+    """
+    reason = hopper_rejects(call, v32=True)
     if reason:
         return reason
+    if call.D == 576 and _TRITON_39:
+        return (f"the 576/512 layout under Triton {triton.__version__} (its ptxas spills in this kernel's "
+                f"block loops at D = 576; 3.6-3.8 do not)")
     if call.H < MIN_HEADS:
         return f"H={call.H} heads (takes H >= {MIN_HEADS}; below, the Triton kernel is faster)"
     return None
 
 
 def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, topk_length=None, d_v=None):
-    """Launch the Gluon forward (same contract as ``forward_triton.sparse_mla_fwd``, without
-    ``d_v``: ``rejects`` sends such calls elsewhere). With ``topk_length`` each tile visits
-    the 128-slot block pairs that hold its token's slots."""
-    if d_v not in (None, q.shape[-1]):
-        raise ValueError("forward_gluon: d_v < D is not supported (see hopper_rejects)")
-    out, lse, args = prepare_forward(q, kv, indices, attn_sink, scale, out, lse)
+    """Launch the Gluon forward (same contract as ``forward_triton.sparse_mla_fwd``): D = 512,
+    or D = 576 with ``d_v`` = 512 (the last 64 columns of q and kv score only; out is
+    [T, H, 512]). With ``topk_length`` each tile visits the 128-slot block pairs that hold
+    its token's slots."""
+    dv = q.shape[-1] if d_v is None else d_v
+    if (q.shape[-1], dv) not in ((512, 512), (576, 512)):
+        raise ValueError(f"forward_gluon: takes D = 512, or D = 576 with d_v = 512 (got D = {q.shape[-1]}, "
+                         f"d_v = {dv}; see rejects)")
+    out, lse, args = prepare_forward(q, kv, indices, attn_sink, scale, out, lse, d_v)
     if args is None:
         return out, lse
     T, H, D = q.shape
@@ -537,7 +550,7 @@ def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, topk_le
         else None
     _sparse_mla_fwd_gluon_kernel[grid](
         *args, topk_length if topk_length is not None else indices, order if order is not None else indices,
-        D=D, HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None,
+        D=dv, HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None, ROPE=D - dv,
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
     return out, lse
