@@ -1,4 +1,5 @@
-"""Gluon forward of sparse MLA for Hopper (sm_90), D = 512: warp-specialised, persistent.
+"""Gluon forward of sparse MLA for Hopper (sm_90), D = 512 or the 576/512 layout (``ROPE``):
+warp-specialised, persistent.
 
 Same math and contract as ``forward_triton.py`` (the Triton kernel). One program per SM walks
 the (token, 64-head block) tiles. Three partitions of one warp group each:
@@ -19,6 +20,13 @@ The running max is one sequence m_0 <= m_1 <= ... that both consumers follow: bl
 j's softmax starts from m_{j-1}, published by the other consumer with P_{j-1}; each
 consumer rescales its half of O (and its share of the row sum) to m_j before adding
 P_j V_j, and the shares are summed at the end of the tile.
+
+The 576/512 layout (``ROPE`` = 64: q and kv rows of 576 columns, the last 64 in the scores
+only, out of 512): the kv blocks' 64 score-only columns go to a ring of their own (2 x 8 KB),
+q's to each consumer's registers (the A operand of one more wgmma in S), and the output's
+layout conversion goes through the consumer's P buffer instead of compiler scratch, which
+pays for the new ring (docs/performance/forward.md#the-576512-layout-in-gluon; not yet run
+on a GPU when written). The D = 512 build is unchanged.
 
 Gluon has no interpreter: tested on the GPU (tests/test_kernels_gpu.py) and compiled
 for sm_90 in CI (tests/test_sm90_compile.py). Measurements: docs/performance/forward.md#gluon-forward.
