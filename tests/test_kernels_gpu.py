@@ -96,6 +96,54 @@ def test_gluon_forward_matches_reference(case):
     check_forward(case, DEV, fwd=forward_gluon.sparse_mla_fwd)
 
 
+# The Gluon forward at D = 576, d_v = 512 (ROPE = 64), called directly: (T, H, N, K, ids, lengths,
+# sink). Masked ids (< 0 and >= N), rows past H (H = 40, 100), K = 0 and 1, more tiles than
+# SMs, lengths past K and negative, pairs whose odd block is past the length.
+_GLUON_V32 = [
+    (9, 64, 700, 640, "deepseek", False, True),
+    (8, 64, 100, 96, "extreme", False, False),
+    (5, 40, 300, 130, "deepseek", False, True),
+    (2, 100, 60, 1, "random", False, True),
+    (400, 64, 50, 0, "random", False, True),
+    (300, 128, 700, 300, "deepseek", False, False),
+    (9, 64, 700, 640, "deepseek", True, True),
+    (300, 128, 700, 300, "deepseek", True, True),
+]
+
+
+@pytest.mark.parametrize("shape", _GLUON_V32, ids=lambda c: "-".join(map(str, c)))
+def test_gluon_forward_v32_matches_reference(shape):
+    """The 576/512 layout on the Gluon forward against the float64 oracle (not yet run on a
+    GPU when written: docs/performance/forward.md#the-576512-layout-in-gluon)."""
+    from dsv4_sparse_attn.kernels import forward_gluon
+
+    T, H, N, K, ids, lengths, with_sink = shape
+    reason = forward_gluon.rejects(Call(torch.device(DEV), BF, 576, H, True, 512, lengths))
+    if reason:
+        pytest.skip(f"the Gluon forward does not run here: {reason}")
+    torch.manual_seed(0)
+    q = torch.randn(T, H, 576, device=DEV).to(BF)
+    kv = torch.randn(N, 576, device=DEV).to(BF)
+    if ids == "deepseek":
+        idx = deepseek_indices(T, K, n_pool=max(N - T, 1), device=DEV).clamp(max=N - 1)
+    elif ids == "extreme":
+        idx = torch.randint(-3, N + 3, (T, K), device=DEV, dtype=I32)
+        idx[:, ::7] = torch.iinfo(torch.int32).max
+        idx[:, 1::7] = torch.iinfo(torch.int32).min
+    else:
+        idx = torch.randint(0, N, (T, K), device=DEV, dtype=I32)
+    length = None
+    if lengths:
+        length = torch.randint(-2, K + 70, (T,), device=DEV, dtype=I32)
+        length[:4] = torch.tensor([0, 64, 65, K], dtype=I32)[:T]
+    sink = torch.randn(H, device=DEV) if with_sink else None
+    out = torch.full((T, H, 512), float("nan"), device=DEV, dtype=BF)  # every element must be written
+    lse = torch.full((T, H), float("nan"), device=DEV)
+    forward_gluon.sparse_mla_fwd(q, kv, idx, sink, 576 ** -0.5, out=out, lse=lse, topk_length=length, d_v=512)
+    ro, rl = oracle_fwd(q, kv, idx, sink, 576 ** -0.5, length, 512)
+    assert relerr(out, ro) < 2e-2 and relerr(lse, rl) < 1e-3, (relerr(out, ro), relerr(lse, rl))
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
 def test_backward_matches_reference(case, deterministic):
@@ -305,9 +353,9 @@ def test_op_runs_the_gluon_kernels_on_hopper(deterministic):
 @pytest.mark.parametrize("layout", ["lengths", "v32", "v32-lengths", "v32-many-tiles"])
 def test_lengths_and_the_v32_layout_through_the_ops(layout, deterministic):
     """topk_length (values past K and negative included) and the 576/512 layout through the
-    ops, against the float64 oracle: the Gluon kernels run the lengths at D = 512 on sm_90
-    and the Gluon backward the 576/512 layout (Triton 3.6-3.7), the Triton kernels the
-    rest."""
+    ops, against the float64 oracle: the Gluon kernels run the lengths at D = 512 on sm_90,
+    the Gluon backward the 576/512 layout (Triton 3.6-3.7) and the Gluon forward too (3.6-3.8),
+    the Triton kernels the rest."""
     T, H, N, K = (300, 128, 700, 300) if layout.endswith("many-tiles") else (9, 64, 700, 640)
     D, d_v = (576, 512) if layout.startswith("v32") else (512, None)
     torch.manual_seed(0)

@@ -1,4 +1,5 @@
-"""Gluon forward of sparse MLA for Hopper (sm_90), D = 512: warp-specialised, persistent.
+"""Gluon forward of sparse MLA for Hopper (sm_90), D = 512 or the 576/512 layout (``ROPE``):
+warp-specialised, persistent.
 
 Same math and contract as ``forward_triton.py`` (the Triton kernel). One program per SM walks
 the (token, 64-head block) tiles. Three partitions of one warp group each:
@@ -20,6 +21,13 @@ j's softmax starts from m_{j-1}, published by the other consumer with P_{j-1}; e
 consumer rescales its half of O (and its share of the row sum) to m_j before adding
 P_j V_j, and the shares are summed at the end of the tile.
 
+The 576/512 layout (``ROPE`` = 64: q and kv rows of 576 columns, the last 64 in the scores
+only, out of 512): the kv blocks' 64 score-only columns go to a ring of their own (2 x 8 KB),
+q's to each consumer's registers (the A operand of one more wgmma in S), and the output's
+layout conversion goes through the consumer's P buffer instead of compiler scratch, which
+pays for the new ring (docs/performance/forward.md#the-576512-layout-in-gluon; not yet run
+on a GPU when written). The D = 512 build is unchanged.
+
 Gluon has no interpreter: tested on the GPU (tests/test_kernels_gpu.py) and compiled
 for sm_90 in CI (tests/test_sm90_compile.py). Measurements: docs/performance/forward.md#gluon-forward.
 """
@@ -39,9 +47,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .common import cuda_properties
 from .forward_triton import FWD_RUNTIME_INTS, prepare_forward
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, finish_softmax,
-                     balanced_order, hopper_rejects, load_ids, tile_token)
+                     balanced_order, hopper_rejects, load_ids, thread_barrier, tile_token)
 
 BLOCK_H = 64
+_TRITON_39 = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9)
 
 # mbarrier slots
 _Q_READY = gl.constexpr(0)
@@ -59,10 +68,24 @@ _BH = gl.constexpr(64)  # heads of a tile
 
 @gluon.jit
 def _producer(io, sizes, strides, smem, n_pairs, HAS_LEN: gl.constexpr):
+    q_smem, kv_smem, bars = smem
+    _produce(io, sizes, strides, (q_smem, kv_smem, kv_smem, bars), n_pairs, HAS_LEN, 0)
+
+
+@gluon.jit
+def _producer_rope(io, sizes, strides, smem, n_pairs, HAS_LEN: gl.constexpr):
+    _produce(io, sizes, strides, smem, n_pairs, HAS_LEN, 64)
+
+
+@gluon.jit
+def _produce(io, sizes, strides, smem, n_pairs, HAS_LEN: gl.constexpr, ROPE: gl.constexpr):
+    # (ROPE arrives as a literal from _producer / _producer_rope, as in backward_gluon: a
+    # constexpr passed through warp_specialize's argument tuple reaches the default
+    # partition as a plain value)
     Q, KV, IDX, LEN, ORDER = io
     T, H, N, K = sizes
     stride_qt, stride_qh, stride_kvn, stride_it = strides
-    q_smem, kv_smem, bars = smem
+    q_smem, kv_smem, kvr_smem, bars = smem
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     offs_d = gl.arange(0, _DH, layout=gl.SliceLayout(0, ld))
     offs_r = gl.arange(0, _BK, layout=gl.SliceLayout(1, ld))
@@ -85,7 +108,7 @@ def _producer(io, sizes, strides, smem, n_pairs, HAS_LEN: gl.constexpr):
         cp.mbarrier_arrive(bars.index(_Q_READY), increment_count=False)
         idx_row = IDX + pid_t * stride_it
         _produce_tile(KV, idx_row, N, k_end, stride_kvn, kv_smem, bars, n_pairs_t, pair0, offs_r, offs_d,
-                      HAS_LEN)
+                      HAS_LEN, kvr_smem, ROPE)
         tcount += 1
         pcount += n_pairs_t
 
@@ -110,10 +133,14 @@ def _tile_pairs(LEN, pid_t, K, n_pairs, tcount, pcount, HAS_LEN: gl.constexpr):
 
 @gluon.jit
 def _produce_tile(KV, idx_row, N, K, stride_kvn, kv_smem, bars, n_pairs, pair0, offs_r, offs_d,
-                  HAS_LEN: gl.constexpr):
+                  HAS_LEN: gl.constexpr, kvr_smem, ROPE: gl.constexpr):
     """Gather the kv rows of one tile's blocks into the ring (``pair0``: pairs gathered
-    before; ``K``: the tile's slot count, ids past it masked)."""
+    before; ``K``: the tile's slot count, ids past it masked). ``ROPE`` > 0: also the
+    block's score-only columns [2 * _DH, 2 * _DH + ROPE) into ``kvr_smem[buffer]``, with
+    D half 1 (its barriers cover them: see _consume_pair)."""
     ids = load_ids(idx_row, 0, K, offs_r)
+    if ROPE > 0:  # (the value loads' layout: 64 columns are one repetition of it)
+        offs_rd = 2 * _DH + gl.arange(0, ROPE, layout=offs_d.type.layout)
     for j in range(0, 2 * n_pairs):
         b = j % 2
         free_phase = ((pair0 + j // 2) & 1) ^ 1
@@ -127,6 +154,8 @@ def _produce_tile(KV, idx_row, N, K, stride_kvn, kv_smem, bars, n_pairs, pair0, 
             mbarrier.wait(bars.index(_KV_FREE + 2 * b + half), free_phase)
             if (not HAS_LEN) or j * _BK < K:  # (a block past the length: no reader)
                 async_load(kv_smem.index(2 * b + half), ptrs + half * _DH, mask=vm)
+                if ROPE > 0 and half == 1:
+                    async_load(kvr_smem.index(b), KV + rows[:, None] * stride_kvn + offs_rd[None, :], mask=vm)
             cp.mbarrier_arrive(bars.index(_KV_READY + 2 * b + half), increment_count=False)
 
 
@@ -159,8 +188,10 @@ def _take_max(m_smem, slot: gl.constexpr, m_cur, l_i, acc):
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr):
-    """Consumer ``WG`` (0 or 1): S of blocks j = WG mod 2, O[:, WG*DH:(WG+1)*DH] of every block."""
+def _consumer(args, WG: gl.constexpr, HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr = 0,
+              rope_io=0):
+    """Consumer ``WG`` (0 or 1): S of blocks j = WG mod 2, O[:, WG*DH:(WG+1)*DH] of every block.
+    ``ROPE`` > 0 (the 576/512 layout): ``rope_io`` is (Q, stride_qt, stride_qh, kvr_smem)."""
     io, sizes, strides, smem, n_pairs, scale_log2 = args
     T, H, N, K = sizes
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -180,15 +211,17 @@ def _consumer(args, WG: gl.constexpr, HAS_SINK: gl.constexpr, HAS_LEN: gl.conste
         pid_h = tile % n_hb
         k_end, n_pairs_t, pair0 = _tile_pairs(LEN, pid_t, K, n_pairs, tcount, pcount, HAS_LEN)
         _consume_tile(io, sizes, strides, smem, n_pairs_t, scale_log2, pid_t, pid_h, tcount, pair0, k_end,
-                      offs_c, s_zero, WG, HAS_SINK, HAS_LEN)
+                      offs_c, s_zero, WG, HAS_SINK, HAS_LEN, ROPE, rope_io)
         tcount += 1
         pcount += n_pairs_t
 
 
 @gluon.jit
-def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, HAS_LEN: gl.constexpr):
+def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, HAS_LEN: gl.constexpr,
+                  ROPE: gl.constexpr = 0, rope=0):
     """Block pair ``i`` of a tile for consumer ``WG``: S and P of block 2i + WG, both
-    blocks' P V on this consumer's D half. Returns (acc, l_i, m_cur, ids)."""
+    blocks' P V on this consumer's D half. Returns (acc, l_i, m_cur, ids). ``ROPE`` > 0:
+    ``rope`` is (q's score-only columns in registers, the ring's kv score-only columns)."""
     q_smem, kv_smem, p_smem, m_smem, l_smem, bars = smem
     i, ph, n_pairs, idx_row, N, K, scale_log2, offs_c, s_zero = pair
     BK: gl.constexpr = _BK
@@ -199,6 +232,12 @@ def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, HAS_LEN: g
     z = i * gl.program_id(2)
     mine = kv_smem.index(2 * WG + z)
     mine_hi = kv_smem.index(2 * WG + 1 + z)
+    if ROPE > 0:
+        # My block's ids (the softmax's mask), loaded now rather than a pair ahead: the
+        # wait for the block and its S hide the load, and the 16 registers a thread of a
+        # second set of ids, live across the whole pair, are what q's score-only columns
+        # need.
+        my_ids = load_ids(idx_row, (2 * i + WG) * BK, K, offs_c)
     # S of my block (2i + WG): both D halves of my buffer.
     # (the first D half's product starts while the second half is still landing)
     mbarrier.wait(bars.index(_KV_READY + 2 * WG), ph)
@@ -207,8 +246,17 @@ def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, HAS_LEN: g
     mbarrier.wait(bars.index(_KV_READY + 2 * WG + 1), ph)
     fence_async_shared()
     s = warpgroup_mma(q_smem.index(z + 1), mine_hi.permute((1, 0)), s, is_async=True)
-    my_ids = ids
-    ids = load_ids(idx_row, (2 * i + 2 + WG) * BK, K, offs_c)
+    if ROPE > 0:
+        # The score-only columns: q's from registers (the wgmma's A operand), the block's
+        # from shared memory; gathered with D half 1, whose barrier was waited just above.
+        # Half 1 of my buffer is freed only after my S is done (buffer 0: consumer 1's
+        # P_0 V on half 1 follows P_0, which follows this S; buffer 1: consumer 1 frees it
+        # after its own S and P V), so they stay in place until S has read them.
+        qr, kvr_smem = rope
+        s = warpgroup_mma(qr, kvr_smem.index(WG + z).permute((1, 0)), s, is_async=True)
+    else:
+        my_ids = ids
+        ids = load_ids(idx_row, (2 * i + 2 + WG) * BK, K, offs_c)
 
     if WG == 1:
         # Block 2i (consumer 0's): its max is my starting point; apply its P to my half
@@ -284,7 +332,8 @@ def _consume_dead_odd_block(smem, pair, acc, l_i, m_cur, ids):
 
 @gluon.jit
 def _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, tcount, pair0, K, offs_c,
-                  s_zero, WG: gl.constexpr, HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr):
+                  s_zero, WG: gl.constexpr, HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr,
+                  ROPE: gl.constexpr = 0, rope_io=0):
     """One (token, 64-head block) tile of consumer ``WG``: ``n_pairs`` block pairs, the
     first of them the ring's ``pair0``-th, ids past slot ``K`` masked."""
     IDX, SINK, OUT, LSE, LEN, ORDER = io
@@ -301,10 +350,26 @@ def _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, t
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     idx_row = IDX + pid_t * stride_it
-    ids = load_ids(idx_row, WG * BK, K, offs_c)
+    if ROPE > 0:
+        ids = 0  # (each pair loads its own: _consume_pair)
+    else:
+        ids = load_ids(idx_row, WG * BK, K, offs_c)
     m_cur = gl.full([BH], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([BH], gl.float32, layout=row_l)
     acc = gl.zeros([BH, DH], gl.float32, layout=o_layout)
+    if ROPE > 0:
+        # q's 64 score-only columns of this tile, straight into registers in the layout of
+        # the wgmma's A operand (16 registers a thread; no room for them in shared memory).
+        # Issued before the q wait, so the load's latency hides behind it.
+        Q, stride_qt, stride_qh, kvr_smem = rope_io
+        qr_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        h_q = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, qr_l))
+        c_q = 2 * DH + gl.arange(0, ROPE, layout=gl.SliceLayout(0, qr_l))
+        qr_ptrs = Q + pid_t * stride_qt + h_q[:, None].to(gl.int64) * stride_qh + c_q[None, :]
+        qr = gl.load(qr_ptrs, mask=(h_q < H)[:, None], other=0.0)
+        rope = (qr, kvr_smem)
+    else:
+        rope = 0
 
     mbarrier.wait(bars.index(_Q_READY), tcount & 1)
     for i in range(0, n_pairs):
@@ -312,11 +377,12 @@ def _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, t
         pair = (i, ph, n_pairs, idx_row, N, K, scale_log2, offs_c, s_zero)
         if HAS_LEN and WG == 1:
             if (2 * i + 1) * BK < K:
-                acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, HAS_LEN)
+                acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, HAS_LEN, ROPE,
+                                                     rope)
             else:  # the pair's odd block is all past the token's length
                 acc, l_i, m_cur, ids = _consume_dead_odd_block(smem, pair, acc, l_i, m_cur, ids)
         else:
-            acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, HAS_LEN)
+            acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, HAS_LEN, ROPE, rope)
 
     mbarrier.arrive(bars.index(_Q_FREE), pred=n_pairs == 0)  # K = 0: no S read q
 
@@ -351,10 +417,31 @@ def _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, t
     d_o = WG * DH + gl.arange(0, DH // 4, layout=gl.SliceLayout(0, st_l))
     o_ptrs = OUT + pid_t * stride_ot + h_o[:, None].to(gl.int64) * stride_oh + d_o[None, :]
     h_ok = (h_o < H)[:, None]
-    gl.store(o_ptrs, gl.convert_layout(o0, st_l), mask=h_ok)
-    gl.store(o_ptrs + DH // 4, gl.convert_layout(o1, st_l), mask=h_ok)
-    gl.store(o_ptrs + 2 * (DH // 4), gl.convert_layout(o2, st_l), mask=h_ok)
-    gl.store(o_ptrs + 3 * (DH // 4), gl.convert_layout(o3, st_l), mask=h_ok)
+    if ROPE > 0:
+        # No room for the conversion's scratch (8 KB per consumer): the quarters go through
+        # my own P buffer instead. After _FIN its last reader, the other consumer's P V, is
+        # done, and its next writer is me, at my next tile's first P.
+        scr = p_smem.index(WG)
+        _store_quarter(scr, o0, o_ptrs, h_ok, st_l)
+        _store_quarter(scr, o1, o_ptrs + DH // 4, h_ok, st_l)
+        _store_quarter(scr, o2, o_ptrs + 2 * (DH // 4), h_ok, st_l)
+        _store_quarter(scr, o3, o_ptrs + 3 * (DH // 4), h_ok, st_l)
+    else:
+        gl.store(o_ptrs, gl.convert_layout(o0, st_l), mask=h_ok)
+        gl.store(o_ptrs + DH // 4, gl.convert_layout(o1, st_l), mask=h_ok)
+        gl.store(o_ptrs + 2 * (DH // 4), gl.convert_layout(o2, st_l), mask=h_ok)
+        gl.store(o_ptrs + 3 * (DH // 4), gl.convert_layout(o3, st_l), mask=h_ok)
+
+
+@gluon.jit
+def _store_quarter(scr, o, o_ptrs, h_ok, st_l: gl.constexpr):
+    """Store a [64, 64] output quarter from a row-contiguous layout, converted through the
+    shared buffer ``scr`` (the warp group's barriers: every thread's part is in before any
+    is read, and read before the next quarter or the next P overwrites it)."""
+    scr.store(o)
+    thread_barrier()
+    gl.store(o_ptrs, scr.load(st_l), mask=h_ok)
+    thread_barrier()
 
 
 @gluon.jit(do_not_specialize=FWD_RUNTIME_INTS)
@@ -366,8 +453,10 @@ def _sparse_mla_fwd_gluon_kernel(
     D: gl.constexpr,
     HAS_SINK: gl.constexpr,
     HAS_LEN: gl.constexpr,
+    ROPE: gl.constexpr = 0,
 ):
-    gl.static_assert(D == 2 * _DH, "the Gluon forward takes D = 512")
+    gl.static_assert(D == 2 * _DH, "the Gluon forward takes D = 512 value columns")
+    gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
     BH: gl.constexpr = _BH
     BK: gl.constexpr = _BK
     DH: gl.constexpr = _DH
@@ -395,13 +484,26 @@ def _sparse_mla_fwd_gluon_kernel(
     sizes = (T, H, N, K)
     c_args = ((IDX, SINK, OUT, LSE, LEN, ORDER), sizes, (stride_it, stride_ot, stride_oh, stride_lt),
               (q_smem, kv_smem, p_smem, m_smem, l_smem, bars), n_pairs, scale_log2)
-    p_args = ((Q, KV, IDX, LEN, ORDER), sizes, (stride_qt, stride_qh, stride_kvn, stride_it),
-              (q_smem, kv_smem, bars), n_pairs, HAS_LEN)
     # The producer is the default partition: ptxas compiles it under the kernel's
     # register limit (MAXNREG), the consumers under their own (setmaxnreg).
-    gl.warp_specialize([(_producer, p_args), (_consumer, (c_args, 0, HAS_SINK, HAS_LEN)),
-                        (_consumer, (c_args, 1, HAS_SINK, HAS_LEN))],
-                       [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
+    if ROPE > 0:
+        # The 576/512 layout: the kv blocks' score-only columns in a ring of their own
+        # (2 x 8 KB), q's in the consumers' registers, and the output conversion through
+        # the P buffers (docs/performance/forward.md#the-576512-layout-in-gluon).
+        kvr_smem = gl.allocate_shared_memory(dtype, [2, BK, ROPE], p_sl)  # [buffer]
+        p_args = ((Q, KV, IDX, LEN, ORDER), sizes, (stride_qt, stride_qh, stride_kvn, stride_it),
+                  (q_smem, kv_smem, kvr_smem, bars), n_pairs, HAS_LEN)
+        rope_io = (Q, stride_qt, stride_qh, kvr_smem)
+        gl.warp_specialize([(_producer_rope, p_args),
+                            (_consumer, (c_args, 0, HAS_SINK, HAS_LEN, ROPE, rope_io)),
+                            (_consumer, (c_args, 1, HAS_SINK, HAS_LEN, ROPE, rope_io))],
+                           [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
+    else:
+        p_args = ((Q, KV, IDX, LEN, ORDER), sizes, (stride_qt, stride_qh, stride_kvn, stride_it),
+                  (q_smem, kv_smem, bars), n_pairs, HAS_LEN)
+        gl.warp_specialize([(_producer, p_args), (_consumer, (c_args, 0, HAS_SINK, HAS_LEN)),
+                            (_consumer, (c_args, 1, HAS_SINK, HAS_LEN))],
+                           [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
 NAME = "gluon_sm90"
@@ -415,22 +517,34 @@ MIN_HEADS = 17
 def rejects(call) -> str | None:
     """Why this kernel does not run ``call``'s forward (None: it does). Its whole rule:
     ``hopper.hopper_rejects`` (a Triton with Gluon's Hopper API, an sm_90 GPU, bf16/fp16,
-    D = 512) and H >= MIN_HEADS (fewer heads than a 64-row tile are masked rows)."""
-    reason = hopper_rejects(call)
+    D = 512, or the 576/512 layout: D = 576 with d_v = 512) and H >= MIN_HEADS (fewer heads
+    than a 64-row tile are masked rows).
+
+    The 576/512 layout only under Triton 3.6-3.8: from 3.9 on, its ptxas reloads a spilled
+    value in every block loop of this build (tests/test_sm90_compile.py), and the Triton
+    kernel takes it. (Not yet run on a GPU: docs/performance/forward.md#the-576512-layout-in-gluon.)
+    """
+    reason = hopper_rejects(call, v32=True)
     if reason:
         return reason
+    if call.D == 576 and _TRITON_39:
+        return (f"the 576/512 layout under Triton {triton.__version__} (its ptxas spills in this kernel's "
+                f"block loops at D = 576; 3.6-3.8 do not)")
     if call.H < MIN_HEADS:
         return f"H={call.H} heads (takes H >= {MIN_HEADS}; below, the Triton kernel is faster)"
     return None
 
 
 def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, topk_length=None, d_v=None):
-    """Launch the Gluon forward (same contract as ``forward_triton.sparse_mla_fwd``, without
-    ``d_v``: ``rejects`` sends such calls elsewhere). With ``topk_length`` each tile visits
-    the 128-slot block pairs that hold its token's slots."""
-    if d_v not in (None, q.shape[-1]):
-        raise ValueError("forward_gluon: d_v < D is not supported (see hopper_rejects)")
-    out, lse, args = prepare_forward(q, kv, indices, attn_sink, scale, out, lse)
+    """Launch the Gluon forward (same contract as ``forward_triton.sparse_mla_fwd``): D = 512,
+    or D = 576 with ``d_v`` = 512 (the last 64 columns of q and kv score only; out is
+    [T, H, 512]). With ``topk_length`` each tile visits the 128-slot block pairs that hold
+    its token's slots."""
+    dv = q.shape[-1] if d_v is None else d_v
+    if (q.shape[-1], dv) not in ((512, 512), (576, 512)):
+        raise ValueError(f"forward_gluon: takes D = 512, or D = 576 with d_v = 512 (got D = {q.shape[-1]}, "
+                         f"d_v = {dv}; see rejects)")
+    out, lse, args = prepare_forward(q, kv, indices, attn_sink, scale, out, lse, d_v)
     if args is None:
         return out, lse
     T, H, D = q.shape
@@ -444,7 +558,7 @@ def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, topk_le
         else None
     _sparse_mla_fwd_gluon_kernel[grid](
         *args, topk_length if topk_length is not None else indices, order if order is not None else indices,
-        D=D, HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None,
+        D=dv, HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None, ROPE=D - dv,
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
     return out, lse
