@@ -200,6 +200,15 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
 
 
 @gluon.jit
+def _opaque(x):
+    """``x`` (an int32 scalar) through a PTX ``mov``: the same value, which LLVM cannot
+    analyse. The block loops take their counter through it: LLVM then neither widens the
+    counter to 64 bits nor strength-reduces the addresses and values formed from it into
+    more loop-carried registers (Triton 3.9 spilled them: ``_consume_tile``)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _dkv_piece(p_smem, ds_smem, do_smem, q_smem, quarter, hh: gl.constexpr, zero):
     """Columns [hh*64, hh*64+64) of D quarter ``quarter`` of a block's dKV rows, issued
     asynchronously: P^T dO + dS^T Q (M = 64 slots, N = 64, K = 64 heads)."""
@@ -314,15 +323,22 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
-    for j in range(0, nb_t):
+    for jj in range(0, nb_t):
+        # (j opaque: the loop carries only its counter. With j itself, Triton 3.9's LLVM
+        # widened the counter to 64 bits and kept g, z and the ids offsets as loop-carried
+        # registers of their own, which ptxas spilled: 17 / 19 reloads per fast-mode block
+        # loop instead of 8 / 9; 3.6-3.8 unchanged)
+        j = _opaque(jj)
         g = g0 + j
         ph = g & 1
-        # z is 0 (grid z = 1) but unknown to the compiler: the shared-memory descriptors
+        # z is 0 (0 <= j < 2^31) but unknown to the compiler: the shared-memory descriptors
         # (kv, q, dO, P, dS) are formed in the loop instead of hoisted out of it and
         # spilled. A spilled value's reload queues behind this warp group's dKV stores in
         # the L1 pipeline, so the next block would wait for the stores to drain (ncu: 53%
         # of stalls on L1TEX scoreboards; -8% backward time once P and dS got this too).
-        z = j * gl.program_id(2)
+        # (It was j * program_id(2), grid z = 1: that kept the program id live, and spilled
+        # under Triton 3.9.)
+        z = j >> 31
         if g % 2 == WG:  # my block: S, dP, P and dS
             ids = load_ids(idx_row, j * _BK, k_end + z, offs_c)  # (k_end + z: see the load of ids_k below)
             mbarrier.wait(bars.index(_KV_READY + 0), ph)
