@@ -209,6 +209,16 @@ def _opaque(x):
 
 
 @gluon.jit
+def _row_pair(offs):
+    """``offs`` [_BK] in the wgmma accumulator's row layout, whose thread holds rows r and
+    r + 8 in that order (tests/test_sm90_compile.py checks it), rebuilt from its first
+    element (+ 8 for the second): one value per thread stays live across the block loop,
+    not two (Triton 3.9's ptxas spilled the second)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $2;\n\tadd.s32 $1, $2, 8;", "=r,=r,r,r", [offs],
+                                     dtype=gl.int32, is_pure=True, pack=2)
+
+
+@gluon.jit
 def _dkv_piece(p_smem, ds_smem, do_smem, q_smem, quarter, hh: gl.constexpr, zero):
     """Columns [hh*64, hh*64+64) of D quarter ``quarter`` of a block's dKV rows, issued
     asynchronously: P^T dO + dS^T Q (M = 64 slots, N = 64, K = 64 heads)."""
@@ -395,8 +405,9 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
 
         # dKV rows of this block for my half of D, a quarter at a time: P^T dO + dS^T Q
         # (M = 64 slots, N = 128 columns, K = 64 heads; P and dS read transposed).
-        # (offsets built from z stay in the loop: hoisted, they would spill)
-        offs_kz = offs_ks + z
+        # (offsets built from z stay in the loop: hoisted, they would spill; the second row's
+        # from the first's, in the loop too)
+        offs_kz = _row_pair(offs_ks + z)
         if RED:
             # (the bound was written k_end + z while j was LLVM's induction variable: Triton
             # 3.9 turned the mask into per-element 64-bit bounds, hoisted out of the loop and
