@@ -145,13 +145,14 @@ def _reload_allowance(red: bool, has_len: bool = False) -> int:
     compiled out, backward_gluon.red_mode, 14-15 / 17-19 with the partial rows' 16-byte
     stores, 12-13 / 7-8 with the block loop's counter opaque to LLVM, 11 / 7-8 with an
     int32 partial-row block index, 11 / 6-7 with the ids bounds plain again, 10 / 5-6 with a
-    thread's second dKV row formed from its first); a ratchet on today's counts, whose cost
-    on the H200 is in docs/performance/backward.md#triton-39. With lengths, one more: the
-    token's clamped length, a computed value where K is a kernel argument."""
+    thread's second dKV row formed from its first, 9 / 5-6 with one partial-row index for the
+    block and the slot); a ratchet on today's counts, whose cost on the H200 is in
+    docs/performance/backward.md#triton-39. With lengths, one more: the token's clamped
+    length, a computed value where K is a kernel argument."""
     major, minor = (int(x) for x in triton.__version__.split(".")[:2])
     if (major, minor) < (3, 9):
         return 0
-    return (6 if red else 10) + has_len
+    return (6 if red else 9) + has_len
 
 
 def test_wgmma_accumulator_layout_is_what_the_reductions_assume():

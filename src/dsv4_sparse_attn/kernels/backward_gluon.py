@@ -332,6 +332,9 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     # took two registers, which Triton 3.9's ptxas spilled)
     part_t = pid_c.to(gl.int32) * n_part + part_h
     blk0 = part_t * nb  # the first partial-row block of this tile's rows
+    # the partial rows of my slots in the tile's first block (int32; deterministic path):
+    # one invariant a thread (with _row_pair), not the block and the slot apart
+    slot0 = blk0 * _BK + offs_ks
     flag_ptr = FLAGS + 1 + part_t * 2 + WG
     done_ptr = flag_ptr + n_tiles  # the follower's count of added blocks
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
@@ -425,7 +428,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
             # (the buffer's slot dim is padded to whole blocks: stores need no mask)
             # (j ^ z == j, but not an induction variable: LLVM would otherwise strength-reduce
             # every store address into its own loop-carried pointer)
-            row_ptr = PARTIAL + (blk0 + (j ^ z)).to(gl.int64) * (_BK * D) + offs_kz * D
+            row_ptr = PARTIAL + _row_pair(slot0 + (j ^ z) * _BK).to(gl.int64) * D
         # Four 64-column pieces (32 registers each next to dQ's 128); each piece's adds
         # are issued while the next piece's wgmma runs.
         acc = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + z, 0, dkv_zero)
