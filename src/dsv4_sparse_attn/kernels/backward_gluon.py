@@ -321,8 +321,9 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     # program has taken its ticket (so is running, and waits on no one but this leader):
     # no deadlock even if not all the kernel's programs are resident at once.
     # (pairs are a partial-row path only. RED = 3 folds their flags to constants, so their
-    # code goes: under Triton 3.9 that leaves 17-19 spill reloads per block loop instead of
-    # 56; under 3.6-3.7 it adds one, so RED = 2 keeps them, as runtime zeros.)
+    # code goes: under Triton 3.9 that leaves 5-6 spill reloads per block loop instead of
+    # 50-51 (17-19 against 56 before the opaque block counter); under 3.6-3.7 it adds one,
+    # so RED = 2 keeps them, as runtime zeros.)
     pairs = (paired != 0) & (RED < 3)
     follower = pairs & (pid_h % 2 == 1)
     leader = pairs & (pid_h % 2 == 0)
@@ -598,9 +599,9 @@ def flags_per_chunk(n_tok: int, n_hb: int) -> int:
 def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
     """The kernel's RED constexpr: 0 partial rows (deterministic); fast mode: 1 half-line
     reductions, 2 whole lines, 3 whole lines with the head-block pairs' code compiled out
-    (what Triton 3.9 allocates registers best for: 17-19 spill reloads per block loop,
-    against 28-29 with half lines and 56 with whole lines and the pairs' code; under 3.6-3.8
-    RED = 2 has none)."""
+    (what Triton 3.9 allocates registers best for: 5-6 spill reloads per block loop against
+    50-51 with whole lines and the pairs' code, 17-19 against 56 before the opaque block
+    counter, 28-29 with half lines then; under 3.6-3.8 RED = 2 has none)."""
     if partial_rows:
         return 0
     if not (RED_LINES if lines is None else lines):
