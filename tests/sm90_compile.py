@@ -140,17 +140,19 @@ def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stag
     return res
 
 
-def wgmma_register_bases() -> list:
+def wgmma_register_bases(rows: bool = False) -> list:
     """The register bases ([row, col] per register bit) of a [64, 64] fp32 wgmma accumulator
-    in this Gluon, as its linear layout states them (``hopper.red_f32x4_fake`` relies on them)."""
-    from wgmma_layout_probe import print_wgmma_layout
+    in this Gluon, as its linear layout states them (``hopper.red_f32x4_fake`` relies on them);
+    ``rows``: those of its row slice ([row] per bit; ``backward_gluon._row_pair`` relies on them)."""
+    from wgmma_layout_probe import print_wgmma_layout, print_wgmma_row_layout
 
     buf = io.StringIO()
     saved = os.environ.get("TRITON_ALWAYS_COMPILE")
     os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # the print runs only when the front end does
     try:
         with contextlib.redirect_stdout(buf):
-            compile_sm90(print_wgmma_layout, {}, {}, 4, 1, run_ptxas=False)
+            compile_sm90(print_wgmma_row_layout if rows else print_wgmma_layout, {}, {}, 4, 1,
+                         run_ptxas=False)
     finally:
         if saved is None:
             del os.environ["TRITON_ALWAYS_COMPILE"]

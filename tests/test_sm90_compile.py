@@ -171,13 +171,16 @@ def _reload_allowance(red: bool, has_len: bool = False) -> int:
     fast: 30 / 46 reloads per loop before the loop-variant ids bound of 39cd173, 13 / 28-29
     after, 13 / 17-19 with the fast mode's whole-line reductions and the pairs' code
     compiled out, backward_gluon.red_mode, 14-15 / 17-19 with the partial rows' 16-byte
-    stores); a ratchet on today's counts, whose cost on the
-    H200 is in docs/performance/backward.md#triton-39. With lengths, one more: the token's
-    clamped length, a computed value where K is a kernel argument."""
+    stores, 12-13 / 7-8 with the block loop's counter opaque to LLVM, 11 / 7-8 with an
+    int32 partial-row block index, 11 / 6-7 with the ids bounds plain again, 10 / 5-6 with a
+    thread's second dKV row formed from its first, 9 / 5-6 with one partial-row index for the
+    block and the slot); a ratchet on today's counts, whose cost on the H200 is in
+    docs/performance/backward.md#triton-39. With lengths, one more: the token's clamped
+    length, a computed value where K is a kernel argument."""
     major, minor = (int(x) for x in triton.__version__.split(".")[:2])
     if (major, minor) < (3, 9):
         return 0
-    return (19 if red else 15) + has_len
+    return (6 if red else 9) + has_len
 
 
 def test_wgmma_accumulator_layout_is_what_the_reductions_assume():
@@ -186,6 +189,8 @@ def test_wgmma_accumulator_layout_is_what_the_reductions_assume():
     then columns 16 and 32. A Triton that orders them otherwise must fail here, not give
     wrong gradients."""
     assert wgmma_register_bases() == [[0, 1], [8, 0], [0, 8], [0, 16], [0, 32]]
+    # its row slice: a thread's two rows r, r + 8, in that order (backward_gluon._row_pair)
+    assert wgmma_register_bases(rows=True) == [[8]]
 
 
 @pytest.mark.parametrize("red", [False, True], ids=["deterministic", "fast"])

@@ -10,3 +10,13 @@ def print_wgmma_layout():
                                                   instr_shape=[16, 64, 16])
     ll: gl.constexpr = gl.to_linear_layout(s_l, [64, 64])
     gl.static_print(ll)
+
+
+@gluon.jit
+def print_wgmma_row_layout():
+    """The slots (rows) of that accumulator, as the backward's dKV rows index them
+    (``backward_gluon._row_pair``)."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 64, 16])
+    ll: gl.constexpr = gl.to_linear_layout(gl.SliceLayout(1, s_l), [64])
+    gl.static_print(ll)

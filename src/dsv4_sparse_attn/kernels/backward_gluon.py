@@ -200,6 +200,25 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
 
 
 @gluon.jit
+def _opaque(x):
+    """``x`` (an int32 scalar) through a PTX ``mov``: the same value, which LLVM cannot
+    analyse. The block loops take their counter through it: LLVM then neither widens the
+    counter to 64 bits nor strength-reduces the addresses and values formed from it into
+    more loop-carried registers (Triton 3.9 spilled them: ``_consume_tile``)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _row_pair(offs):
+    """``offs`` [_BK] in the wgmma accumulator's row layout, whose thread holds rows r and
+    r + 8 in that order (tests/test_sm90_compile.py checks it), rebuilt from its first
+    element (+ 8 for the second): one value per thread stays live across the block loop,
+    not two (Triton 3.9's ptxas spilled the second)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $2;\n\tadd.s32 $1, $2, 8;", "=r,=r,r,r", [offs],
+                                     dtype=gl.int32, is_pure=True, pack=2)
+
+
+@gluon.jit
 def _dkv_piece(p_smem, ds_smem, do_smem, q_smem, quarter, hh: gl.constexpr, zero):
     """Columns [hh*64, hh*64+64) of D quarter ``quarter`` of a block's dKV rows, issued
     asynchronously: P^T dO + dS^T Q (M = 64 slots, N = 64, K = 64 heads)."""
@@ -302,29 +321,44 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     # program has taken its ticket (so is running, and waits on no one but this leader):
     # no deadlock even if not all the kernel's programs are resident at once.
     # (pairs are a partial-row path only. RED = 3 folds their flags to constants, so their
-    # code goes: under Triton 3.9 that leaves 17-19 spill reloads per block loop instead of
-    # 56; under 3.6-3.7 it adds one, so RED = 2 keeps them, as runtime zeros.)
+    # code goes: under Triton 3.9 that leaves 5-6 spill reloads per block loop instead of
+    # 50-51 (17-19 against 56 before the opaque block counter); under 3.6-3.7 it adds one,
+    # so RED = 2 keeps them, as runtime zeros.)
     pairs = (paired != 0) & (RED < 3)
     follower = pairs & (pid_h % 2 == 1)
     leader = pairs & (pid_h % 2 == 0)
     n_part = n_hb // (1 + paired)
     part_h = pid_h // (1 + paired)
-    flag_ptr = FLAGS + 1 + (pid_c * n_part + part_h) * 2 + WG
+    # (int32: the chunk's partial-row blocks number far fewer than 2^31; an int64 block base
+    # took two registers, which Triton 3.9's ptxas spilled)
+    part_t = pid_c.to(gl.int32) * n_part + part_h
+    blk0 = part_t * nb  # the first partial-row block of this tile's rows
+    # the partial rows of my slots in the tile's first block (int32; deterministic path):
+    # one invariant a thread (with _row_pair), not the block and the slot apart
+    slot0 = blk0 * _BK + offs_ks
+    flag_ptr = FLAGS + 1 + part_t * 2 + WG
     done_ptr = flag_ptr + n_tiles  # the follower's count of added blocks
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
-    for j in range(0, nb_t):
+    for jj in range(0, nb_t):
+        # (j opaque: the loop carries only its counter. With j itself, Triton 3.9's LLVM
+        # widened the counter to 64 bits and kept g, z and the ids offsets as loop-carried
+        # registers of their own, which ptxas spilled: 17 / 19 reloads per fast-mode block
+        # loop instead of 8 / 9; 3.6-3.8 unchanged)
+        j = _opaque(jj)
         g = g0 + j
         ph = g & 1
-        # z is 0 (grid z = 1) but unknown to the compiler: the shared-memory descriptors
+        # z is 0 (0 <= j < 2^31) but unknown to the compiler: the shared-memory descriptors
         # (kv, q, dO, P, dS) are formed in the loop instead of hoisted out of it and
         # spilled. A spilled value's reload queues behind this warp group's dKV stores in
         # the L1 pipeline, so the next block would wait for the stores to drain (ncu: 53%
         # of stalls on L1TEX scoreboards; -8% backward time once P and dS got this too).
-        z = j * gl.program_id(2)
+        # (It was j * program_id(2), grid z = 1: that kept the program id live, and spilled
+        # under Triton 3.9.)
+        z = j >> 31
         if g % 2 == WG:  # my block: S, dP, P and dS
-            ids = load_ids(idx_row, j * _BK, k_end + z, offs_c)  # (k_end + z: see the load of ids_k below)
+            ids = load_ids(idx_row, j * _BK, k_end, offs_c)  # (the bound: see the load of ids_k below)
             mbarrier.wait(bars.index(_KV_READY + 0), ph)
             fence_async_shared()
             s = warpgroup_mma(q_smem.index(z), kv_smem.index(z).permute((1, 0)), s_zero, use_acc=False,
@@ -375,12 +409,14 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
 
         # dKV rows of this block for my half of D, a quarter at a time: P^T dO + dS^T Q
         # (M = 64 slots, N = 128 columns, K = 64 heads; P and dS read transposed).
-        # (offsets built from z stay in the loop: hoisted, they would spill)
-        offs_kz = offs_ks + z
+        # (offsets built from z stay in the loop: hoisted, they would spill; the second row's
+        # from the first's, in the loop too)
+        offs_kz = _row_pair(offs_ks + z)
         if RED:
-            # (the bound K + z is not loop-invariant either: Triton 3.9 otherwise turns the
-            # mask into per-element 64-bit bounds, hoists them out of the loop and spills them)
-            ids_k = load_ids(idx_row, j * _BK, k_end + z, offs_kz).to(gl.int64)
+            # (the bound was written k_end + z while j was LLVM's induction variable: Triton
+            # 3.9 turned the mask into per-element 64-bit bounds, hoisted out of the loop and
+            # spilled. With j opaque the plain bound is better there: 7 / 8 -> 6 / 7 reloads)
+            ids_k = load_ids(idx_row, j * _BK, k_end, offs_kz).to(gl.int64)
             valid_k = (ids_k >= 0) & (ids_k < N)
             # A masked slot adds nothing (its reductions are predicated off): no row is
             # touched for it, so a NaN in an unselected row stays there. (Adding masked
@@ -393,7 +429,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
             # (the buffer's slot dim is padded to whole blocks: stores need no mask)
             # (j ^ z == j, but not an induction variable: LLVM would otherwise strength-reduce
             # every store address into its own loop-carried pointer)
-            row_ptr = PARTIAL + ((pid_c * n_part + part_h) * nb + (j ^ z)) * (_BK * D) + offs_kz * D
+            row_ptr = PARTIAL + _row_pair(slot0 + (j ^ z) * _BK).to(gl.int64) * D
         # Four 64-column pieces (32 registers each next to dQ's 128); each piece's adds
         # are issued while the next piece's wgmma runs.
         acc = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + z, 0, dkv_zero)
@@ -563,9 +599,9 @@ def flags_per_chunk(n_tok: int, n_hb: int) -> int:
 def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
     """The kernel's RED constexpr: 0 partial rows (deterministic); fast mode: 1 half-line
     reductions, 2 whole lines, 3 whole lines with the head-block pairs' code compiled out
-    (what Triton 3.9 allocates registers best for: 17-19 spill reloads per block loop,
-    against 28-29 with half lines and 56 with whole lines and the pairs' code; under 3.6-3.8
-    RED = 2 has none)."""
+    (what Triton 3.9 allocates registers best for: 5-6 spill reloads per block loop against
+    50-51 with whole lines and the pairs' code, 17-19 against 56 before the opaque block
+    counter, 28-29 with half lines then; under 3.6-3.8 RED = 2 has none)."""
     if partial_rows:
         return 0
     if not (RED_LINES if lines is None else lines):
