@@ -212,7 +212,8 @@ def test_gluon_backward_v32_compiles_for_sm90(red):
     assert len(r["mma_loops"]) == 2 and all(lp["LDL"] == 0 for lp in r["mma_loops"]), r["mma_loops"]
     # four 64-column pieces and one of 32 rope columns per block and consumer, 16 bytes at a
     # time: 36 reductions a thread (deterministic: 36 stores on each of two paths, plain
-    # and streaming, and the pair follower's 36 reductions)
-    assert all(lp["REDG4"] == 36 for lp in r["mma_loops"]), r["mma_loops"]
+    # and streaming, and the pair follower's 36 reductions), and 4 more for the block's dQ
+    # rope product into the program's scratch rows
+    assert all(lp["REDG4"] == 40 for lp in r["mma_loops"]), r["mma_loops"]
     if not red:
         assert all(lp["STG"] == 72 for lp in r["mma_loops"]), r["mma_loops"]

@@ -296,14 +296,17 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     # ROPE: consumer WG owns the rope columns [32 WG, 32 WG + 32) of dQ and of the dKV rows.
     # Its dQ part is summed in this program's fp32 scratch rows DQR[rank] (64 heads x 64),
     # not in registers: 16 more live registers a thread made ptxas serialise the wgmmas and
-    # reload 8 spilled values per block. One thread adds to each scratch element, block
-    # after block, so the sum's order is fixed (deterministic).
+    # reload 8 spilled values per block. The rows are in fake column order, so a thread adds
+    # its four values of a row in a 16-column group with one 16-byte reduction
+    # (red_f32x4_fake: 4 a block instead of 16 scalar atomics). One thread adds to each
+    # scratch element, block after block, so the sum's order is fixed (deterministic).
     r_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 32, 16])
     r_zero = gl.zeros([_BK, 32], gl.float32, layout=r_l)
     offs_r32 = gl.arange(0, 32, layout=gl.SliceLayout(0, r_l))
     h_r = gl.arange(0, _BH, layout=gl.SliceLayout(1, r_l))
     dqr_base = DQR + rank.to(gl.int64) * (_BH * 64) + 32 * WG
+    r_ones = gl.full([_BK, 32], 1, gl.int32, r_l)
     # Deterministic path with head blocks in pairs (``paired``, n_hb even): the even
     # block of a pair stores its partial rows and counts, per consumer, the slot blocks
     # it has published; the odd one waits for that count and adds its rows with one
@@ -402,7 +405,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
             dq0, dq1, dqp = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, dq1, dqp))
             mbarrier.arrive(bars.index(_KVR_FREE))
             mbarrier.arrive(bars.index(_KV_FREE + WG))  # my kv half: the next block's gather may start
-            gl.atomic_add(dqr_base + z + h_r[:, None] * 64 + offs_r32[None, :], dqp, sem="relaxed")
+            red_f32x4_fake(fake_group_base(dqr_base + z + h_r * 64, offs_r32), dqp, r_ones)
         else:
             dq0, dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, dq1))
             mbarrier.arrive(bars.index(_KV_FREE + WG))  # my kv half: the next block's gather may start
@@ -479,7 +482,10 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     gl.store(dq_ptrs, dq0.to(DQ.dtype.element_ty), mask=hq_ok)
     gl.store(dq_ptrs + _QD, dq1.to(DQ.dtype.element_ty), mask=hq_ok)
     if ROPE > 0:  # my rope columns of dQ: taken from the scratch, which is left zero
-        dqr = gl.atomic_xchg(dqr_base + h_r[:, None] * 64 + offs_r32[None, :], r_zero, sem="relaxed")
+        # (column c of the scratch row sits at fake_col(c); relaxed: the adds above are this
+        # thread's own)
+        f32 = (offs_r32 // 16) * 16 + ((offs_r32 & 7) // 2) * 4 + ((offs_r32 // 8) & 1) * 2 + (offs_r32 & 1)
+        dqr = gl.atomic_xchg(dqr_base + h_r[:, None] * 64 + f32[None, :], r_zero, sem="relaxed")
         hg = pid_h * _BH + h_r
         dqr_ptrs = (DQ + pid_t * stride_gt + hg[:, None].to(gl.int64) * stride_gh + 4 * _QD + 32 * WG
                     + offs_r32[None, :])
