@@ -26,7 +26,7 @@ import sys
 import torch
 import triton
 
-from bench import GIB, RESULTS_DIR, TIMING, backward_mode, bench, document, require_cuda, slug, write
+from bench import GIB, RESULTS_DIR, TIMING, backward_mode, bench, document, flops, require_cuda, slug, write
 from dsv4_sparse_attn import testing
 from dsv4_sparse_attn.kernels import dispatch
 from dsv4_sparse_attn.kernels.common import Call
@@ -54,8 +54,7 @@ def variant(T, H, K, name, timing):
     if name == "lengths":
         g = torch.Generator(device="cuda").manual_seed(1)
         length = torch.randint(min(128, K), K + 1, (T,), device="cuda", generator=g, dtype=torch.int32)
-    fwd_flops = 2 * T * H * K * (D + D_V)
-    bwd_flops = 2 * T * H * K * (3 * D + 2 * D_V)
+    fwd_flops, bwd_flops = flops(T, H, K, D, D_V)
 
     def fwd():
         return torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, None, length, d_v)

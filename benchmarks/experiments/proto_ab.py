@@ -23,21 +23,15 @@ import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon, backward_triton
 
+import side_by_side  # (this directory)
+from side_by_side import relerr
+
 # PROTO_AB_DRY=1: tiny shapes on the CPU through the Triton kernel (interpreter), to check
 # the script itself before a GPU run
 DRY = os.environ.get("PROTO_AB_DRY") == "1"
 dev = "cpu" if DRY else "cuda"
 main = backward_triton if DRY else backward_gluon
 t0 = time.time()
-
-
-def ids(T, K, N, g):
-    t = torch.arange(T, device=dev)
-    w = min(128, K)
-    win = t[:, None] - torch.arange(w, device=dev)[None, :]
-    win = torch.where(win >= 0, win, -1)
-    pool = torch.argsort(torch.rand(T, N - T, device=dev, generator=g), dim=1)[:, :K - w] + T
-    return torch.cat([win, pool], 1).int()
 
 
 def bench(fn):
@@ -47,26 +41,13 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=3, rep=30, return_mode="median")
 
 
-def relerr(a, b):
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def emit(**r):
     r["t_s"] = round(time.time() - t0, 1)
     print(json.dumps(r), flush=True)
 
 
 def inputs(T, H, K, D, d_v, seed):
-    g = torch.Generator(device=dev).manual_seed(seed)
-    N = T + max(T // 4, K)
-    q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16, generator=g)
-    kv = torch.randn(N, D, device=dev, dtype=torch.bfloat16, generator=g)
-    idx = ids(T, K, N, g)
-    sink = torch.linspace(-2, 2, H, device=dev)
-    do = torch.randn(T, H, d_v, device=dev, dtype=torch.bfloat16, generator=g)
-    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, None, None, None if d_v == D else d_v)
-    return q, kv, idx, sink, do, out, lse
+    return side_by_side.inputs(T, H, K, D, d_v, seed, dev)
 
 
 def bwd(x, det, **opts):

@@ -17,6 +17,7 @@ import triton
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
+from side_by_side import inputs, relerr  # (this directory)
 
 dev = "cuda"
 D = 512
@@ -30,36 +31,15 @@ if peer:
         print("no cudnn peer:", e)
 
 
-def ids(T, K, N, g):
-    t = torch.arange(T, device=dev)
-    w = min(128, K)
-    win = t[:, None] - torch.arange(w, device=dev)[None, :]
-    win = torch.where(win >= 0, win, -1)
-    pool = torch.argsort(torch.rand(T, N - T, device=dev, generator=g), dim=1)[:, :K - w] + T
-    return torch.cat([win, pool], 1).int()
-
-
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
-
-
-def relerr(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 shapes = [(4096, 64, 640), (4096, 128, 1152), (4096, 128, 512), (4096, 16, 1152), (4096, 32, 1152),
           (32768, 64, 640), (32768, 128, 1152)]
 for T, H, K in shapes:
-    g = torch.Generator(device=dev).manual_seed(T + H + K)
-    N = T + max(T // 4, K)
-    q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16, generator=g)
-    kv = torch.randn(N, D, device=dev, dtype=torch.bfloat16, generator=g)
-    idx = ids(T, K, N, g)
-    sink = torch.linspace(-2, 2, H, device=dev)
-    do = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16, generator=g)
+    q, kv, idx, sink, do, out, lse = inputs(T, H, K, D)
     scale = D ** -0.5
-    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)
     fl = 10 * T * H * K * D
     r = dict(T=T, H=H, K=K)
 

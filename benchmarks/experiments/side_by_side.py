@@ -1,0 +1,36 @@
+"""What the backward experiments share: cuDNN's side-by-side inputs (a causal window of 128
+rows, then distinct pool ids; N = T + max(T/4, K)), drawn from one generator seeded per
+shape, so that every script times the same tensors for the same (T, H, K, seed)."""
+import torch
+
+
+def ids(T, K, N, g, dev):
+    """int32 [T, K]: the window t-127..t (-1 where negative), then K - 128 distinct pool rows."""
+    t = torch.arange(T, device=dev)
+    w = min(128, K)
+    win = t[:, None] - torch.arange(w, device=dev)[None, :]
+    win = torch.where(win >= 0, win, -1)
+    pool = torch.argsort(torch.rand(T, N - T, device=dev, generator=g), dim=1)[:, :K - w] + T
+    return torch.cat([win, pool], 1).int()
+
+
+def inputs(T, H, K, D=512, d_v=None, seed=None, dev="cuda"):
+    """q, kv, idx, sink, grad_out, out, lse (out and lse from the default forward, scale
+    D ** -0.5); ``d_v``: values narrower than keys (the 576/512 layout); ``seed``: default
+    T + H + K."""
+    d_v = D if d_v is None else d_v
+    g = torch.Generator(device=dev).manual_seed(T + H + K if seed is None else seed)
+    N = T + max(T // 4, K)
+    q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(N, D, device=dev, dtype=torch.bfloat16, generator=g)
+    idx = ids(T, K, N, g, dev)
+    sink = torch.linspace(-2, 2, H, device=dev)
+    do = torch.randn(T, H, d_v, device=dev, dtype=torch.bfloat16, generator=g)
+    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, None, None, None if d_v == D else d_v)
+    return q, kv, idx, sink, do, out, lse
+
+
+def relerr(a, b):
+    """||a - b|| / ||b|| in float64 (on the CPU: ``b`` may be the oracle's)."""
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
