@@ -206,16 +206,16 @@ def backward_mode(deterministic):
         dsv4_sparse_attn.set_deterministic_backward(None)
 
 
-def kernel_name(direction, q, deterministic=True, d_v=None):
+def kernel_name(direction, q, deterministic=True, d_v=None, has_len=False):
     """The kernel the dispatcher runs for this call now (under any ``use_kernels``)."""
-    return dispatch.choose(direction, Call.of(q, deterministic, d_v=d_v or q.shape[-1]))[0]
+    return dispatch.choose(direction, Call.of(q, deterministic, d_v=d_v or q.shape[-1], has_len=has_len))[0]
 
 
-def rejection(direction, name, q, deterministic=True, d_v=None):
+def rejection(direction, name, q, deterministic=True, d_v=None, has_len=False):
     """Why kernel ``name`` does not take this call, or None if it does."""
     try:
         with dsv4_sparse_attn.use_kernels(**{direction: name}):
-            kernel_name(direction, q, deterministic, d_v)
+            kernel_name(direction, q, deterministic, d_v, has_len)
     except ValueError as e:
         return str(e).split("does not take this call: ", 1)[-1]
     return None

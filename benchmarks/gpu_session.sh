@@ -6,8 +6,9 @@
 #                                          # holds cudnn_peer.py; default .peers/cudnn_dsa), report
 #   bash benchmarks/gpu_session.sh properties  # tests/test_properties_gpu.py with 2x the examples
 #                                          # (hypothesis from .peers/wheels when not installed)
-#   bash benchmarks/gpu_session.sh sanitize-properties  # its first examples under compute-sanitizer
-#                                          # initcheck and memcheck; sanitize_case.py under initcheck
+#   bash benchmarks/gpu_session.sh sanitize-properties  # the property tests (1x), then the same
+#                                          # examples and sanitize_case.py under compute-sanitizer
+#                                          # initcheck and memcheck
 #   bash benchmarks/gpu_session.sh features  # topk_length and the 576/512 layout (features_bench.py)
 #   bash benchmarks/gpu_session.sh experiments  # A/B: evict_last_bench.py, proto_ab.py
 #   bash benchmarks/gpu_session.sh triton-next  # GPU kernel tests and a quick bench under the
@@ -79,26 +80,34 @@ properties)
 sanitize-properties)
   python3 -c "import hypothesis" 2>/dev/null || \
     python3 -m pip install -q --no-index --find-links .peers/wheels hypothesis 2>&1 | tail -2
-  # The first examples of tests/test_properties_gpu.py under compute-sanitizer initcheck and
-  # memcheck. Compiling under the sanitizer is very slow, so a plain run of the same
-  # examples fills the kernel cache first. No caching allocator: initcheck then sees each
-  # tensor's own allocation. One process under the sanitizer: with 8 xdist workers
-  # (2026-12-01, H200) memcheck spent 120 s starting them (torch's CUDA start-up, 8 times)
-  # before any example ran; initcheck finished 27 examples in 150 s, none reported.
-  export DSV4_PROPERTY_SCALE=${SANITIZER_SCALE:-0.2} DSV4_PROPERTY_LOG=$OUT/sanitized_examples.log
-  timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_properties_gpu.py 2>&1 | tail -2
+  # tests/test_properties_gpu.py at DSV4_PROPERTY_SCALE (default 1: 25 examples a test, 200
+  # in all) against the oracle, then the same examples (a fixed seed) under compute-sanitizer
+  # initcheck and memcheck, and sanitize_case.py under both. The plain run fills the kernel
+  # cache (compiling under the sanitizer is very slow). Each (test, tool) gets a process of
+  # its own, all at once: one process per tool took 150 s for 27 examples (2026-12-01), and
+  # xdist workers under one sanitizer start one after another. No caching allocator: the
+  # sanitizer then sees each tensor's own allocation.
+  export DSV4_PROPERTY_SCALE=${SANITIZER_SCALE:-1}
+  DSV4_PROPERTY_LOG=$OUT/property_examples.log timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider \
+    tests/test_properties_gpu.py --hypothesis-show-statistics -W ignore::UserWarning 2>&1 \
+    | grep -v -i "benchmark" > "$OUT/properties_gpu.log"
+  grep -E "passing|passed|failed|Error" "$OUT/properties_gpu.log" | sort | uniq -c | tail -8
+  ids=$(python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_properties_gpu.py 2>/dev/null | grep '::')
+  logs=/tmp/sanitizer_logs; rm -rf $logs; mkdir -p $logs; n=0
   for tool in initcheck memcheck; do
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANITIZER_TIMEOUT:-200} compute-sanitizer --tool $tool \
-      --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider tests/test_properties_gpu.py \
-      --hypothesis-show-statistics -W ignore::UserWarning 2>&1 | grep -v -i benchmark \
-      > "$OUT/sanitizer_properties_$tool.log"
-    echo "compute-sanitizer $tool: exit ${PIPESTATUS[0]}" | tee -a "$OUT/sanitizer_properties_$tool.log"
-    grep -E "ERROR SUMMARY|passing|passed|failed" "$OUT/sanitizer_properties_$tool.log" | sort | uniq -c | tail -6
+    for id in $ids sanitize_case; do
+      n=$((n + 1))
+      if [ "$id" = sanitize_case ]; then cmd=(python3 benchmarks/sanitize_case.py)
+      else cmd=(python3 -m pytest -q -p no:cacheprovider "$id" -W ignore::UserWarning); fi
+      ( echo "== $tool $id"
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANITIZER_TIMEOUT:-330} compute-sanitizer --tool $tool \
+          --error-exitcode 9 "${cmd[@]}" 2>&1 | grep -v -i benchmark | tail -40
+        echo "== $tool $id: exit ${PIPESTATUS[0]}" ) > $logs/$(printf %02d $n).log 2>&1 &
+    done
   done
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 90 compute-sanitizer --tool initcheck --error-exitcode 9 \
-    python3 benchmarks/sanitize_case.py > "$OUT/sanitizer_case_initcheck.log" 2>&1
-  echo "compute-sanitizer initcheck sanitize_case.py: exit $?" | tee -a "$OUT/sanitizer_case_initcheck.log"
-  tail -3 "$OUT/sanitizer_case_initcheck.log"
+  wait
+  cat $logs/*.log > "$OUT/sanitizer_properties.log"
+  grep -E "^== .*exit|ERROR SUMMARY|passed|failed" "$OUT/sanitizer_properties.log" | tail -60
   ;;
 features)
   timeout 400 python3 benchmarks/features_bench.py 2>&1 | tee "$OUT/features.log" | grep -v '^{'
