@@ -195,18 +195,18 @@ def test_deterministic_backward_does_not_depend_on_chunking(monkeypatch, gluon):
 
 @pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
 def test_deterministic_fold_with_many_rows_per_program(monkeypatch, gluon):
-    """At N = 40,000 the fold takes several kv rows a program (``backward.fold_rows``: 9 on
-    132 SMs) and skips the many rows no token selects: the gradients are bitwise those of
+    """At N = 40,000 the fold takes several kv rows side by side (``backward.fold_tile``: 8
+    on 132 SMs) and skips the many rows no token selects: the gradients are bitwise those of
     one row a program, and match the float64 oracle."""
     main = _main(gluon)
     c = Case(48, 64, 512, 40000, 160, ids="random")
     q, kv, idx, sink = make_case(c, DEV)
     out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5)
     do, dl = torch.randn_like(out), torch.randn_like(lse)
-    assert kbwd.fold_rows(c.N, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    assert kbwd.fold_tile(c.N, torch.cuda.get_device_properties(0).multi_processor_count)[0] > 1
     a = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main)
     with monkeypatch.context() as m:
-        m.setattr(kbwd, "fold_rows", lambda N, n_sm: 1)
+        m.setattr(kbwd, "fold_tile", lambda N, n_sm: (1, 8, 4))
         b = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main)
     for x, y in zip(a, b):
         assert torch.equal(x, y)

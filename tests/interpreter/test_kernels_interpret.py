@@ -100,11 +100,12 @@ def test_sink_gradient_kernel_interpreted():
     assert got[2] == 0 and torch.isnan(got[4])  # -inf sink: no gradient; NaN stays NaN
 
 
-@pytest.mark.parametrize("rows", [3, 16])
-def test_fold_rows_per_program_give_the_same_bits_interpreted(monkeypatch, rows):
-    """The deterministic fold with several kv rows per program (what long contexts get,
-    ``backward.fold_rows``), N not a multiple of them and most rows untouched: bitwise the
-    gradients of one row per program, and rows no token selects stay zero."""
+@pytest.mark.parametrize("tile", [(2, 4, 4), (8, 4, 4), (16, 8, 8)])
+def test_fold_tiles_give_the_same_bits_interpreted(monkeypatch, tile):
+    """The deterministic fold with several kv rows side by side (what long contexts get,
+    ``backward.fold_tile``), N not a multiple of them, rows of different entry counts in a
+    tile and most rows untouched: bitwise the gradients of one row per program, and rows
+    no token selects stay zero."""
     from dsv4_sparse_attn.kernels import backward as kbwd
     from dsv4_sparse_attn.kernels import backward_triton
     from dsv4_sparse_attn.kernels import forward_triton as kfwd
@@ -123,7 +124,7 @@ def test_fold_rows_per_program_give_the_same_bits_interpreted(monkeypatch, rows)
                                    main=backward_triton, deterministic=True)
 
     one = run()
-    monkeypatch.setattr(kbwd, "fold_rows", lambda N, n_sm: rows)
+    monkeypatch.setattr(kbwd, "fold_tile", lambda N, n_sm: tile)
     many = run()
     assert all(torch.equal(a, b) for a, b in zip(one, many))
     assert torch.all(many[1][40:] == 0) and many[1][:40].abs().sum() > 0

@@ -55,77 +55,82 @@ def _bwd_delta_kernel(
 
 
 @triton.jit
-def _entry_row(PARTIAL, ORDER, e, end, K, k_stride, offs_d, D: tl.constexpr, N_HB: tl.constexpr,
-               MASK_D: tl.constexpr):
-    """Entry e's partial row (its head-block parts added in order), 0 past ``end``."""
+def _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.constexpr, D: tl.constexpr,
+                MASK_D: tl.constexpr):
+    """[ROWS, BLOCK_D]: for each of the program's rows, its entry ``e`` (its head-block parts
+    added in order), 0 where ``e`` is past the row's ``end``."""
     ok = e < end
     entry = tl.load(ORDER + e, mask=ok, other=0)  # flat (token-in-chunk, slot)
     tok = entry // K
     slot = entry - tok * K
-    base = PARTIAL + ((tok * N_HB) * k_stride + slot) * D + offs_d
-    ok_d = (offs_d * 0 + e) < end  # (a tensor mask: the 3.9 interpreter takes no scalar one here)
+    base = PARTIAL + ((tok * N_HB) * k_stride + slot) * D  # [ROWS]
+    ptr = base[:, None] + offs_d[None, :]
     if MASK_D:
-        ok_d &= offs_d < D
-    x = tl.load(base, mask=ok_d, other=0.0)
+        m = ok[:, None] & d_ok[None, :]
+    else:  # (a mask constant along the row: 16-byte loads)
+        m = ok[:, None]
+    x = tl.load(ptr, mask=m, other=0.0)
     for hb in tl.static_range(1, N_HB):
-        x += tl.load(base + hb * k_stride * D, mask=ok_d, other=0.0)
+        x += tl.load(ptr + hb * k_stride * D, mask=m, other=0.0)
     return x
 
 
 @triton.jit(do_not_specialize=["K", "k_stride", "N"])
 def _dkv_reduce_kernel(
     PARTIAL, ORDER, SEG, ACC, K, k_stride, N,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, MASK_D: tl.constexpr,
-    ROWS: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, MASK_D: tl.constexpr, ROWS: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """acc[n] += row n's per-slot partials of this chunk, one after the other in sorted
     (token, slot) order: a sequential fold that continues from the previous chunks' sum,
     so the result is the same fold whatever the chunks are (bitwise).
 
-    Eight entries' rows are loaded before any of them is added (straight-line code, so all
-    eight loads are in flight at once: a pool row can have thousands of entries); the adds
-    stay in order. (With a loop over the head-block parts inside the unrolled entries the
-    deterministic backward took 6.01 ms at H64 K640 against the 4.65 of the 16-entry trees
-    this fold replaced: we read it as the loop keeping the loads one after the other.)
+    A program folds ROWS consecutive kv rows side by side (a [ROWS, BLOCK_D] tile,
+    ``fold_tile``), UNROLL entries of each row a step: all UNROLL x ROWS entry rows are
+    loaded before any is added (straight-line code, so the loads are in flight at once),
+    and each row's adds stay in order (a row past its last entry adds zeros). A row of
+    the tile without entries in this chunk is neither read nor written, and a tile without
+    any exits after reading its ROWS + 1 segment bounds: at long contexts most rows get no
+    entry from a chunk, and rows folded one after another in a program left the fold
+    waiting on each row's chain of dependent loads (T = 131072: 1.3 TB/s, against 3.3 at
+    T = 4096; docs/performance/backward.md#the-fold-at-long-contexts).
     N_HB, the head-block parts per partial row (1 or 2 in practice), is compile-time.
-
-    A program folds ROWS consecutive rows (``fold_rows``) and leaves the rows this chunk does
-    not touch alone: at long contexts most of the N rows get no entry from a chunk, and one
-    program per row, each reading and writing its accumulator row, cost more than the fold.
     """
+    tl.static_assert(UNROLL == 4 or UNROLL == 8)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D  # (BLOCK_D columns a program; D = 576 ends in a quarter-used block)
-    for i in range(ROWS):
-        row = tl.program_id(0).to(tl.int64) * ROWS + i
-        # (rows past N read SEG[N] twice: an empty segment)
-        start = tl.load(SEG + tl.minimum(row, N))
-        end = tl.load(SEG + tl.minimum(row + 1, N))
-        if start < end:
-            _fold_row(PARTIAL, ORDER, ACC, row, start, end, K, k_stride, offs_d, d_ok, D, N_HB, MASK_D)
-
-
-@triton.jit
-def _fold_row(PARTIAL, ORDER, ACC, row, start, end, K, k_stride, offs_d, d_ok, D: tl.constexpr,
-              N_HB: tl.constexpr, MASK_D: tl.constexpr):
-    acc = tl.load(ACC + row * D + offs_d, mask=d_ok)
-    for e0 in range(start, end, 8):
-        x0 = _entry_row(PARTIAL, ORDER, e0, end, K, k_stride, offs_d, D, N_HB, MASK_D)
-        x1 = _entry_row(PARTIAL, ORDER, e0 + 1, end, K, k_stride, offs_d, D, N_HB, MASK_D)
-        x2 = _entry_row(PARTIAL, ORDER, e0 + 2, end, K, k_stride, offs_d, D, N_HB, MASK_D)
-        x3 = _entry_row(PARTIAL, ORDER, e0 + 3, end, K, k_stride, offs_d, D, N_HB, MASK_D)
-        x4 = _entry_row(PARTIAL, ORDER, e0 + 4, end, K, k_stride, offs_d, D, N_HB, MASK_D)
-        x5 = _entry_row(PARTIAL, ORDER, e0 + 5, end, K, k_stride, offs_d, D, N_HB, MASK_D)
-        x6 = _entry_row(PARTIAL, ORDER, e0 + 6, end, K, k_stride, offs_d, D, N_HB, MASK_D)
-        x7 = _entry_row(PARTIAL, ORDER, e0 + 7, end, K, k_stride, offs_d, D, N_HB, MASK_D)
-        acc += x0
-        acc += x1
-        acc += x2
-        acc += x3
-        acc += x4
-        acc += x5
-        acc += x6
-        acc += x7
-    tl.store(ACC + row * D + offs_d, acc, mask=d_ok)
+    # (rows past N read SEG[N] twice: an empty segment)
+    start = tl.load(SEG + tl.minimum(rows, N))
+    end = tl.load(SEG + tl.minimum(rows + 1, N))
+    n_max = tl.max(end - start, 0)
+    if n_max > 0:
+        live = (end > start)[:, None]
+        if MASK_D:
+            live = live & d_ok[None, :]
+        acc_ptr = ACC + rows[:, None] * D + offs_d[None, :]
+        acc = tl.load(acc_ptr, mask=live, other=0.0)
+        for e0 in range(0, n_max, UNROLL):
+            e = start + e0
+            x0 = _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D)
+            x1 = _entry_rows(PARTIAL, ORDER, e + 1, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D)
+            x2 = _entry_rows(PARTIAL, ORDER, e + 2, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D)
+            x3 = _entry_rows(PARTIAL, ORDER, e + 3, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D)
+            if UNROLL == 8:
+                x4 = _entry_rows(PARTIAL, ORDER, e + 4, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D)
+                x5 = _entry_rows(PARTIAL, ORDER, e + 5, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D)
+                x6 = _entry_rows(PARTIAL, ORDER, e + 6, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D)
+                x7 = _entry_rows(PARTIAL, ORDER, e + 7, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D)
+            acc += x0
+            acc += x1
+            acc += x2
+            acc += x3
+            if UNROLL == 8:
+                acc += x4
+                acc += x5
+                acc += x6
+                acc += x7
+        tl.store(acc_ptr, acc, mask=live)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -166,14 +171,16 @@ def _acc_to_kv_kernel(ACC, OUT, N, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK
     tl.store(OUT + rows[:, None] * D + c[None, :], x.to(OUT.dtype.element_ty), mask=m)
 
 
-def fold_rows(N: int, n_sm: int) -> int:
-    """kv rows per program of the deterministic fold: one while the N rows alone keep every
-    SM busy (T = 4096: N = 5120), more at long contexts, where a chunk touches few of the N
-    rows (T = 131072, H = 64, K = 640: about 34k of 163,840) and a program per row costs
-    more to schedule than its empty segment. Any value gives the same bits."""
-    if n_sm <= 0:
-        return 1
-    return max(1, min(16, N // (n_sm * 32)))
+def fold_tile(N: int, n_sm: int) -> tuple[int, int, int]:
+    """(ROWS, UNROLL, num_warps) of the deterministic fold. One kv row a program, eight
+    entries a step, while the N rows alone keep every SM busy (T = 4096: N = 5120, every
+    row touched, long segments); at long contexts, where a chunk touches few of the N rows
+    (T = 131072, H = 64, K = 640: about 34k of 163,840) and each has few entries, eight rows
+    side by side, four entries a step, eight warps (32 entry rows in flight a program, 8
+    values a thread each: 80 registers under Triton 3.6). Any tile gives the same bits."""
+    if n_sm <= 0 or N <= n_sm * 64:
+        return 1, 8, 4
+    return 8, 4, 8
 
 
 def chunk_tokens(T: int, n_hb: int, K: int, D: int, budget: int, n_sm: int = 0) -> int:
@@ -256,7 +263,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         # programs a row; the 64-column programs of gcd(576, 256) left the fold with a
         # quarter of the loads in flight and nine reads of each entry's position)
         block_d = min(256, next_pow2(D))
-        rows_per_program = fold_rows(N, n_sm)
+        rows_per_program, unroll, fold_warps = fold_tile(N, n_sm)
         for t0 in range(0, T, chunk):
             n_tok = min(chunk, T - t0)
             launch(t0, n_tok, partial, new_flags(n_tok))
@@ -271,7 +278,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             _dkv_reduce_kernel[(triton.cdiv(N, rows_per_program), triton.cdiv(D, block_d))](
                 partial, order, seg, acc, K, k_stride, N,
                 D=D, BLOCK_D=block_d, N_HB=n_part, MASK_D=D % block_d != 0, ROWS=rows_per_program,
-                num_warps=4,
+                UNROLL=unroll,
+                num_warps=fold_warps,
             )
 
     grad_kv = torch.empty((N, D), dtype=kv.dtype, device=dev)
