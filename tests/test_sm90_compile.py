@@ -70,9 +70,9 @@ def test_triton_kernels_for_the_v32_layout_compile_for_sm90(H):
 
 
 @pytest.mark.parametrize("D", [512, 576])
-@pytest.mark.parametrize("tile", [(1, 8, 4), (8, 4, 8)])
+@pytest.mark.parametrize("tile", [(1, 8, 4), (4, 4, 4)])
 def test_deterministic_fold_compiles_for_sm90(tile, D):
-    """The deterministic fold's tiles (``backward.fold_tile``: one kv row a program, or eight
+    """The deterministic fold's tiles (``backward.fold_tile``: one kv row a program, or four
     side by side): no shared memory, no spill."""
     from dsv4_sparse_attn.kernels import backward as B
     from sm90_compile import compile_sm90

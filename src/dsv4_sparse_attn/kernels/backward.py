@@ -173,14 +173,15 @@ def _acc_to_kv_kernel(ACC, OUT, N, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK
 
 def fold_tile(N: int, n_sm: int) -> tuple[int, int, int]:
     """(ROWS, UNROLL, num_warps) of the deterministic fold. One kv row a program, eight
-    entries a step, while the N rows alone keep every SM busy (T = 4096: N = 5120, every
-    row touched, long segments); at long contexts, where a chunk touches few of the N rows
-    (T = 131072, H = 64, K = 640: about 34k of 163,840) and each has few entries, eight rows
-    side by side, four entries a step, eight warps (32 entry rows in flight a program, 8
-    values a thread each: 80 registers under Triton 3.6). Any tile gives the same bits."""
-    if n_sm <= 0 or N <= n_sm * 64:
+    entries a step, up to N = 512 rows an SM (T = 4096: N = 5120, every row touched, long
+    segments); beyond, where a chunk touches few of the N rows (T = 131072, H = 64, K = 640:
+    about 34k of 163,840) and each has few entries, four rows side by side, four entries a
+    step (80 registers under Triton 3.6). H200, deterministic backward, H64 K640, causal
+    ids (benchmarks/experiments/fold_tile_bench.py): T = 131072 165.8 ms against 178.7 with
+    one row a program, T = 32768 39.7 against 38.1. Any tile gives the same bits."""
+    if n_sm <= 0 or N <= n_sm * 512:
         return 1, 8, 4
-    return 8, 4, 8
+    return 4, 4, 4
 
 
 def chunk_tokens(T: int, n_hb: int, K: int, D: int, budget: int, n_sm: int = 0) -> int:
