@@ -88,10 +88,11 @@ sanitize-properties)
   # xdist workers under one sanitizer start one after another. No caching allocator: the
   # sanitizer then sees each tensor's own allocation.
   export DSV4_PROPERTY_SCALE=${SANITIZER_SCALE:-1}
-  DSV4_PROPERTY_LOG=$OUT/property_examples.log timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider \
+  DSV4_PROPERTY_LOG=$OUT/property_examples.log timeout ${PROPERTY_TIMEOUT:-200} python3 -m pytest -q -n 8 -p no:cacheprovider \
     tests/test_properties_gpu.py --hypothesis-show-statistics -W ignore::UserWarning 2>&1 \
     | grep -v -i "benchmark" > "$OUT/properties_gpu.log"
   grep -E "passing|passed|failed|Error" "$OUT/properties_gpu.log" | sort | uniq -c | tail -8
+  echo "plain run: $(grep -c 'ok in' "$OUT/property_examples.log") examples passed"
   ids=$(python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_properties_gpu.py 2>/dev/null | grep '::')
   logs=/tmp/sanitizer_logs; rm -rf $logs; mkdir -p $logs; n=0
   for tool in initcheck memcheck; do
@@ -100,14 +101,17 @@ sanitize-properties)
       if [ "$id" = sanitize_case ]; then cmd=(python3 benchmarks/sanitize_case.py)
       else cmd=(python3 -m pytest -q -p no:cacheprovider "$id" -W ignore::UserWarning); fi
       ( echo "== $tool $id"
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANITIZER_TIMEOUT:-330} compute-sanitizer --tool $tool \
-          --error-exitcode 9 "${cmd[@]}" 2>&1 | grep -v -i benchmark | tail -40
-        echo "== $tool $id: exit ${PIPESTATUS[0]}" ) > $logs/$(printf %02d $n).log 2>&1 &
+        DSV4_PROPERTY_LOG=$logs/$n.examples PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANITIZER_TIMEOUT:-330} \
+          compute-sanitizer --tool $tool --error-exitcode 9 "${cmd[@]}" 2>&1 | grep -v -i benchmark | tail -40
+        echo "== $tool $id: exit ${PIPESTATUS[0]}, examples passed: $(grep -c 'ok in' $logs/$n.examples 2>/dev/null)"
+      ) > $logs/$(printf %02d $n).log 2>&1 &
     done
   done
   wait
   cat $logs/*.log > "$OUT/sanitizer_properties.log"
-  grep -E "^== .*exit|ERROR SUMMARY|passed|failed" "$OUT/sanitizer_properties.log" | tail -60
+  grep -E "^== .*exit|ERROR SUMMARY|passed|failed|Invalid|Uninitialized" "$OUT/sanitizer_properties.log" | tail -60
+  # the compiled kernels, to carry to a later machine (a cold cache bounds this part)
+  tar -czf "$OUT/triton_cache.tgz" -C .cache triton && ls -la "$OUT/triton_cache.tgz"
   ;;
 features)
   timeout 400 python3 benchmarks/features_bench.py 2>&1 | tee "$OUT/features.log" | grep -v '^{'
