@@ -1,6 +1,6 @@
 """The README's performance tables and docs/performance/bench.png, from bench.py's JSON results.
 
-    python benchmarks/report.py                  # the newest results in benchmarks/results/
+    python benchmarks/report.py                  # the newest full results in benchmarks/results/
     python benchmarks/report.py RESULTS.json [SWEEP.json] [--readme README.md] [--png PATH]
     python benchmarks/report.py --print-only     # print the tables, write nothing
 
@@ -129,7 +129,9 @@ def load(path: str) -> dict:
 
 def newest(results_dir: str = RESULTS_DIR) -> list:
     """The newest default-table and backward-sweep results in ``results_dir`` (complete runs
-    before partial ones, by timestamp; quick runs left out): a list of 0 to 2 documents."""
+    before partial ones, then the runs with the most rows: a run of a few shapes, such as
+    one made next to another Triton, does not replace a whole table; then by timestamp;
+    quick runs left out): a list of 0 to 2 documents."""
     best = {}
     for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
         try:
@@ -139,7 +141,7 @@ def newest(results_dir: str = RESULTS_DIR) -> list:
             continue
         if doc["quick"]:
             continue
-        key = (doc["complete"], doc["timestamp"], os.path.basename(path))
+        key = (doc["complete"], len(doc["rows"]), doc["timestamp"], os.path.basename(path))
         if doc["kind"] not in best or key > best[doc["kind"]][0]:
             best[doc["kind"]] = (key, doc)
     return [best[k][1] for k in ("table", "backward_sweep") if k in best]
@@ -183,6 +185,8 @@ def caption(doc: dict) -> str:
         s += "; incomplete run"
     if "_path" in doc:
         s += f"; `{_rel(doc['_path'])}`"
+    if doc.get("note"):  # what the file says of its own run (e.g. a kernel changed after it)
+        s += f" (note: {doc['note']})"
     return s
 
 

@@ -111,6 +111,8 @@ def test_newest_files_are_picked(tmp_path):
     put("c.json", TABLE, timestamp="2026-12-04T00:00:00+00:00", quick=True)  # smoke runs are left out
     put("d.json", TABLE, timestamp="2026-12-05T00:00:00+00:00", complete=False)  # partial: after complete
     put("e.json", SWEEP)
+    rows = json.load(open(TABLE))["rows"]
+    put("f.json", TABLE, timestamp="2026-12-06T00:00:00+00:00", rows=rows[:1])  # a few shapes: not the table
     (tmp_path / "broken.json").write_text("{")
     docs = report.newest(str(tmp_path))
     assert [os.path.basename(d["_path"]) for d in docs] == ["b.json", "e.json"]
