@@ -113,8 +113,8 @@ _GLUON_V32 = [
 
 @pytest.mark.parametrize("shape", _GLUON_V32, ids=lambda c: "-".join(map(str, c)))
 def test_gluon_forward_v32_matches_reference(shape):
-    """The 576/512 layout on the Gluon forward against the float64 oracle (not yet run on a
-    GPU when written: docs/performance/forward.md#the-576512-layout-in-gluon)."""
+    """The 576/512 layout on the Gluon forward against the float64 oracle
+    (docs/performance/forward.md#the-576512-layout-in-gluon)."""
     from dsv4_sparse_attn.kernels import forward_gluon
 
     T, H, N, K, ids, lengths, with_sink = shape
