@@ -110,8 +110,9 @@ sanitize-properties)
   wait
   cat $logs/*.log > "$OUT/sanitizer_properties.log"
   grep -E "^== .*exit|ERROR SUMMARY|passed|failed|Invalid|Uninitialized" "$OUT/sanitizer_properties.log" | tail -60
-  # the compiled kernels, to carry to a later machine (a cold cache bounds this part)
-  tar -czf "$OUT/triton_cache.tgz" -C .cache triton && ls -la "$OUT/triton_cache.tgz"
+  # the compiled kernels, for a later machine (a cold cache bounds this part): in pieces
+  # under the 16 MB a returned file may have; `cat triton_cache.tar.xz.* | tar -xJ -C .cache`
+  tar -cJf - -C .cache triton | split -b 15M - "$OUT/triton_cache.tar.xz." && ls -la "$OUT"/triton_cache.*
   ;;
 features)
   timeout 400 python3 benchmarks/features_bench.py 2>&1 | tee "$OUT/features.log" | grep -v '^{'
