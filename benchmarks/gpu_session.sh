@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu_session.sh properties  # tests/test_properties_gpu.py with 2x the examples
 #                                          # (hypothesis from .peers/wheels when not installed)
 #   bash benchmarks/gpu_session.sh sanitize-properties  # the property tests (1x), then the same
-#                                          # examples and sanitize_case.py under compute-sanitizer
-#                                          # initcheck and memcheck
+#                                          # examples (sharded over processes) and sanitize_case.py
+#                                          # under compute-sanitizer initcheck and memcheck
 #   bash benchmarks/gpu_session.sh features  # topk_length and the 576/512 layout (features_bench.py)
 #   bash benchmarks/gpu_session.sh experiments  # A/B: evict_last_bench.py, proto_ab.py
 #   bash benchmarks/gpu_session.sh triton-next  # GPU kernel tests and a quick bench under the
@@ -80,36 +80,49 @@ properties)
 sanitize-properties)
   python3 -c "import hypothesis" 2>/dev/null || \
     python3 -m pip install -q --no-index --find-links .peers/wheels hypothesis 2>&1 | tail -2
-  # tests/test_properties_gpu.py at DSV4_PROPERTY_SCALE (default 1: 25 examples a test, 200
-  # in all) against the oracle, then the same examples (a fixed seed) under compute-sanitizer
-  # initcheck and memcheck, and sanitize_case.py under both. The plain run fills the kernel
-  # cache (compiling under the sanitizer is very slow). Each (test, tool) gets a process of
-  # its own, all at once: one process per tool took 150 s for 27 examples (2026-12-01), and
-  # xdist workers under one sanitizer start one after another. No caching allocator: the
-  # sanitizer then sees each tensor's own allocation.
+  # tests/test_properties_gpu.py at DSV4_PROPERTY_SCALE (SANITIZER_SCALE, default 1: 25
+  # examples a test, 200 in all) against the oracle, then the same examples (a fixed seed)
+  # under compute-sanitizer (SANITIZER_TOOLS, default initcheck and memcheck), and
+  # sanitize_case.py under each tool. The plain run fills the kernel cache (the sanitizer
+  # compiles and loads kernels at a fraction of the usual speed: 2026-12-01, H200, about
+  # 30 s an example with a warm cache). Each (tool, test, shard) is a process of its own
+  # (DSV4_PROPERTY_SHARD: SANITIZER_SHARDS processes share a test's examples), at most
+  # SANITIZER_JOBS at once. No caching allocator: the sanitizer then sees each tensor's
+  # own allocation.
   export DSV4_PROPERTY_SCALE=${SANITIZER_SCALE:-1}
   DSV4_PROPERTY_LOG=$OUT/property_examples.log timeout ${PROPERTY_TIMEOUT:-200} python3 -m pytest -q -n 8 -p no:cacheprovider \
     tests/test_properties_gpu.py --hypothesis-show-statistics -W ignore::UserWarning 2>&1 \
     | grep -v -i "benchmark" > "$OUT/properties_gpu.log"
   grep -E "passing|passed|failed|Error" "$OUT/properties_gpu.log" | sort | uniq -c | tail -8
   echo "plain run: $(grep -c 'ok in' "$OUT/property_examples.log") examples passed"
-  ids=$(python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_properties_gpu.py 2>/dev/null | grep '::')
-  logs=/tmp/sanitizer_logs; rm -rf $logs; mkdir -p $logs; n=0
-  for tool in initcheck memcheck; do
-    for id in $ids sanitize_case; do
-      n=$((n + 1))
-      if [ "$id" = sanitize_case ]; then cmd=(python3 benchmarks/sanitize_case.py)
-      else cmd=(python3 -m pytest -q -p no:cacheprovider "$id" -W ignore::UserWarning); fi
-      ( echo "== $tool $id"
-        DSV4_PROPERTY_LOG=$logs/$n.examples PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANITIZER_TIMEOUT:-330} \
-          compute-sanitizer --tool $tool --error-exitcode 9 "${cmd[@]}" 2>&1 | grep -v -i benchmark | tail -40
-        echo "== $tool $id: exit ${PIPESTATUS[0]}, examples passed: $(grep -c 'ok in' $logs/$n.examples 2>/dev/null)"
-      ) > $logs/$(printf %02d $n).log 2>&1 &
+  logs=/tmp/sanitizer_logs; rm -rf $logs; mkdir -p $logs
+  shards=${SANITIZER_SHARDS:-2}
+  jobs=()
+  for tool in ${SANITIZER_TOOLS:-initcheck memcheck}; do
+    for id in $(python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_properties_gpu.py 2>/dev/null \
+                | grep '::'); do
+      for ((k = 0; k < shards; k++)); do jobs+=("$tool $k/$shards $id"); done
     done
+    jobs+=("$tool 0/1 sanitize_case")
   done
-  wait
+  sanitize_one() {  # TOOL SHARD TEST: one process under compute-sanitizer, its log in $logs
+    local tool=$1 shard=$2 id=$3 n cmd
+    n=$(echo "$tool $shard $id" | md5sum | cut -c1-8)
+    if [ "$id" = sanitize_case ]; then cmd=(python3 benchmarks/sanitize_case.py)
+    else cmd=(python3 -m pytest -q -p no:cacheprovider "$id" -W ignore::UserWarning); fi
+    { echo "== $tool $shard $id"
+      DSV4_PROPERTY_SHARD=$shard DSV4_PROPERTY_LOG=$logs/$n.examples PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+        timeout ${SANITIZER_TIMEOUT:-330} compute-sanitizer --tool $tool --error-exitcode 9 "${cmd[@]}" 2>&1 \
+        | grep -v -i benchmark | tail -40
+      echo "== $tool $shard $id: exit ${PIPESTATUS[0]}, examples passed: $(cat $logs/$n.examples 2>/dev/null | grep -c 'ok in')"
+    } > $logs/$n.log 2>&1
+  }
+  export -f sanitize_one; export logs
+  printf '%s\n' "${jobs[@]}" | xargs -P ${SANITIZER_JOBS:-16} -L 1 bash -c 'sanitize_one $0 $1 $2'
   cat $logs/*.log > "$OUT/sanitizer_properties.log"
-  grep -E "^== .*exit|ERROR SUMMARY|passed|failed|Invalid|Uninitialized" "$OUT/sanitizer_properties.log" | tail -60
+  grep -E "^== .*: exit|Invalid|Uninitialized|failed" "$OUT/sanitizer_properties.log" | sort | tail -80
+  echo "ERROR SUMMARY lines: $(grep 'ERROR SUMMARY' "$OUT/sanitizer_properties.log" | sort | uniq -c | tr '\n' ' ')"
+  echo "examples passed under the sanitizer: $(cat $logs/*.examples 2>/dev/null | grep -c 'ok in')"
   # the compiled kernels, for a later machine (a cold cache bounds this part): in pieces
   # under the 16 MB a returned file may have; `cat triton_cache.tar.xz.* | tar -xJ -C .cache`
   tar -cJf - -C .cache triton | split -b 15M - "$OUT/triton_cache.tar.xz." && ls -la "$OUT"/triton_cache.*

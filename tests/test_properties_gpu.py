@@ -2,6 +2,7 @@
 kernel dispatch picks for each drawn shape: the Gluon kernels at D = 512 from 17 heads,
 the Triton kernels elsewhere) and with the Triton kernels forced, in both backward modes.
 The H200 run raises the example count (DSV4_PROPERTY_SCALE). Skipped without CUDA."""
+import itertools
 import os
 import time
 
@@ -29,6 +30,23 @@ def gpu_problems(dtype):
     # runtime values (T, K, N) vary freely.
     return problems(D=(128, 512, 512, 576), H=(0, 1, 7, 16, 24, 64, 100, 128), T=(0, 24), K=(0, 300),
                     N=(0, 600), dtypes=(dtype,), narrow_values={128: [None], 512: [None], 576: [512]})
+
+
+def _shard():
+    """DSV4_PROPERTY_SHARD="i/n": this process checks examples i, i + n, i + 2n, ... of each
+    test, so that a slow run (under compute-sanitizer) can spread one test's examples over
+    n processes. Every process draws the same examples in the same order (a fixed seed,
+    and the draws do not depend on what the test does with them)."""
+    v = os.environ.get("DSV4_PROPERTY_SHARD")
+    if not v:
+        return 0, 1
+    try:
+        i, n = (int(x) for x in v.split("/"))
+    except ValueError:
+        raise ValueError(f"DSV4_PROPERTY_SHARD={v!r}: expected 'i/n' with 0 <= i < n") from None
+    if not 0 <= i < n:
+        raise ValueError(f"DSV4_PROPERTY_SHARD={v!r}: expected 'i/n' with 0 <= i < n")
+    return i, n
 
 
 def _log(line):
@@ -59,10 +77,16 @@ def run_op(p, deterministic):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "det"])
 @pytest.mark.parametrize("kernels", ["dispatch", "triton"])
 def test_cuda_kernels_match_the_oracle(kernels, deterministic, dtype):
+    shard, n_shards = _shard()
+    seen = itertools.count()
+
     @given(gpu_problems(dtype))
     @property_settings(25)
     def check(p):
-        _log(f"{kernels} det={deterministic} {p!r}")
+        k = next(seen)
+        if k % n_shards != shard:
+            return
+        _log(f"{kernels} det={deterministic} example {k}: {p!r}")
         t0 = time.perf_counter()
         p = p.to("cuda")
         if kernels == "triton":
