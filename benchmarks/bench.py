@@ -152,23 +152,29 @@ def torch_sparse_mla(q, kv, idx, sink, scale, d_v=None):
     return out, lse
 
 
-def bench(fn, warmup=50, rep=200):
-    """Median ms of a call of ``fn``: ``triton.testing.do_bench`` (warmup and rep in ms, L2
-    flushed before each timed call); a call slower than SLOW_MS (T=131072) is timed with
-    CUDA events instead: one warm-up call, then SLOW_CALLS calls."""
-    fn()  # warm-up: compilation, autotuning, the allocator
-    torch.cuda.synchronize()
+def event_times(fn, calls):
+    """ms of each of ``calls`` calls of ``fn``, one after another, timed with CUDA events."""
     times = []
-    for _ in range(SLOW_CALLS):
+    for _ in range(calls):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-        if times[0] < SLOW_MS:
-            return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-    return statistics.median(times)
+    return times
+
+
+def bench(fn, warmup=50, rep=200):
+    """Median ms of a call of ``fn``: ``triton.testing.do_bench`` (warmup and rep in ms, L2
+    flushed before each timed call); a call slower than SLOW_MS (T=131072) is timed with
+    CUDA events instead: one warm-up call, then SLOW_CALLS calls."""
+    fn()  # warm-up: compilation, autotuning, the allocator
+    torch.cuda.synchronize()
+    first = event_times(fn, 1)[0]
+    if first < SLOW_MS:
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    return statistics.median([first] + event_times(fn, SLOW_CALLS - 1))
 
 
 def peak_extra(fn, keep_bytes=0):

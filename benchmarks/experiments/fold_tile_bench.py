@@ -8,12 +8,13 @@ Per (T, H, K): the backward with each tile, the median of a few calls (CUDA even
 whether its gradients equal the default tile's bit for bit.
 """
 import json
+import statistics
 import sys
 import time
 
 import torch
 
-from bench import backward_mode, make_inputs
+from bench import backward_mode, event_times, make_inputs
 from dsv4_sparse_attn.kernels import backward as kbwd
 
 TILES = ((1, 8, 4), (4, 4, 4), (8, 4, 4), (8, 4, 8), (16, 4, 8))
@@ -23,15 +24,7 @@ SHAPES = ((131072, 64, 640), (4096, 64, 640), (32768, 64, 640))
 def timed(fn, calls):
     fn()
     torch.cuda.synchronize()
-    ts = []
-    for _ in range(calls):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
+    return statistics.median(event_times(fn, calls))
 
 
 def shape(T, H, K, t0):
