@@ -143,10 +143,21 @@ triton-next)
   mkdir -p /tmp/triton-next && tar -xJf "$tarball" -C /tmp/triton-next
   export PYTHONPATH=/tmp/triton-next:$PYTHONPATH TRITON_CACHE_DIR=$PWD/.cache/triton-next
   python3 -c "import triton; print('triton', triton.__version__, triton.__file__)" | tee "$OUT/triton_next.log"
-  timeout 300 python3 -m pytest -q -rs -n 6 -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 | tail -15 \
-    | tee -a "$OUT/triton_next.log"
-  timeout 200 python3 benchmarks/bench.py --shapes 0,1,5 --no-torch --json "$OUT/bench_triton_next.json" 2>&1 \
-    | grep -v '^{' | tail -12 | tee -a "$OUT/triton_next.log"
+  # TRITON_NEXT_FULL=1: the `tests` part's GPU files and opcheck, and the whole default
+  # table (about 9 minutes); else the kernel tests and three rows of the table
+  if [ "${TRITON_NEXT_FULL:-0}" = 1 ]; then
+    timeout 360 python3 -m pytest -q -rs -n 6 -p no:cacheprovider tests/test_kernels_gpu.py tests/test_compile.py \
+      tests/test_cuda_graphs.py tests/test_checkpointing.py tests/test_modules.py tests/test_export.py 2>&1 \
+      | tail -15 | tee -a "$OUT/triton_next.log"
+    timeout 90 python3 opcheck/run_opcheck.py --device cuda 2>&1 | tail -3 | tee -a "$OUT/triton_next.log"
+    timeout 300 python3 benchmarks/bench.py --no-torch --json "$OUT/bench_triton_next.json" 2>&1 \
+      | grep -v '^{' | tail -16 | tee -a "$OUT/triton_next.log"
+  else
+    timeout 300 python3 -m pytest -q -rs -n 6 -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 | tail -15 \
+      | tee -a "$OUT/triton_next.log"
+    timeout 200 python3 benchmarks/bench.py --shapes 0,1,5 --no-torch --json "$OUT/bench_triton_next.json" 2>&1 \
+      | grep -v '^{' | tail -12 | tee -a "$OUT/triton_next.log"
+  fi
   ;;
 *)
   echo "usage: bash benchmarks/gpu_session.sh tests|bench|sweep|properties|sanitize-properties|features|triton-next" >&2; exit 2
