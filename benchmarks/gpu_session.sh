@@ -123,6 +123,9 @@ sanitize-properties)
   grep -E "^== .*: exit|Invalid|Uninitialized|failed" "$OUT/sanitizer_properties.log" | sort | tail -80
   echo "ERROR SUMMARY lines: $(grep 'ERROR SUMMARY' "$OUT/sanitizer_properties.log" | sort | uniq -c | tr '\n' ' ')"
   echo "examples passed under the sanitizer: $(cat $logs/*.examples 2>/dev/null | grep -c 'ok in')"
+  # seconds an example took under the sanitizer (first examples of a process compile and load)
+  cat $logs/*.examples 2>/dev/null | awk '/ok in/ {t = $(NF - 1); n++; s += t; if (t > m) m = t}
+    END {if (n) printf "seconds an example: mean %.1f, max %.1f over %d\n", s / n, m, n}' 
   # the compiled kernels, for a later machine (a cold cache bounds this part): in pieces
   # under the 16 MB a returned file may have; `cat triton_cache.tar.xz.* | tar -xJ -C .cache`
   tar -cJf - -C .cache triton | split -b 15M - "$OUT/triton_cache.tar.xz." && ls -la "$OUT"/triton_cache.*
