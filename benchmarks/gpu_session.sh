@@ -88,7 +88,8 @@ sanitize-properties)
   # 30 s an example with a warm cache). Each (tool, test, shard) is a process of its own
   # (DSV4_PROPERTY_SHARD: SANITIZER_SHARDS processes share a test's examples), at most
   # SANITIZER_JOBS at once. No caching allocator: the sanitizer then sees each tensor's
-  # own allocation.
+  # own allocation. SANITIZER_ARGS go to compute-sanitizer (e.g. a kernel-name filter that
+  # leaves PyTorch's own kernels out).
   export DSV4_PROPERTY_SCALE=${SANITIZER_SCALE:-1}
   DSV4_PROPERTY_LOG=$OUT/property_examples.log timeout ${PROPERTY_TIMEOUT:-200} python3 -m pytest -q -n 8 -p no:cacheprovider \
     tests/test_properties_gpu.py --hypothesis-show-statistics -W ignore::UserWarning 2>&1 \
@@ -112,7 +113,7 @@ sanitize-properties)
     else cmd=(python3 -m pytest -q -p no:cacheprovider "$id" -W ignore::UserWarning); fi
     { echo "== $tool $shard $id"
       DSV4_PROPERTY_SHARD=$shard DSV4_PROPERTY_LOG=$logs/$n.examples PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-        timeout ${SANITIZER_TIMEOUT:-330} compute-sanitizer --tool $tool --error-exitcode 9 "${cmd[@]}" 2>&1 \
+        timeout ${SANITIZER_TIMEOUT:-330} compute-sanitizer --tool $tool --error-exitcode 9 ${SANITIZER_ARGS:-} "${cmd[@]}" 2>&1 \
         | grep -v -i benchmark | tail -40
       echo "== $tool $shard $id: exit ${PIPESTATUS[0]}, examples passed: $(cat $logs/$n.examples 2>/dev/null | grep -c 'ok in')"
     } > $logs/$n.log 2>&1
