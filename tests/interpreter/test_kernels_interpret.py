@@ -100,18 +100,18 @@ def test_sink_gradient_kernel_interpreted():
     assert got[2] == 0 and torch.isnan(got[4])  # -inf sink: no gradient; NaN stays NaN
 
 
-@pytest.mark.parametrize("tile", [(2, 4, 4), (8, 4, 4), (16, 8, 8)])
-def test_fold_tiles_give_the_same_bits_interpreted(monkeypatch, tile):
+@pytest.mark.parametrize("tile, H", [((2, 4, 4), 3), ((8, 4, 4), 3), ((16, 8, 8), 3), ((4, 4, 4), 70)])
+def test_fold_tiles_give_the_same_bits_interpreted(monkeypatch, tile, H):
     """The deterministic fold with several kv rows side by side (what long contexts get,
     ``backward.fold_tile``), N not a multiple of them, rows of different entry counts in a
     tile and most rows untouched: bitwise the gradients of one row per program, and rows
-    no token selects stay zero."""
+    no token selects stay zero. H = 70: two head-block parts per partial row (N_HB = 2)."""
     from dsv4_sparse_attn.kernels import backward as kbwd
     from dsv4_sparse_attn.kernels import backward_triton
     from dsv4_sparse_attn.kernels import forward_triton as kfwd
 
     torch.manual_seed(0)
-    T, H, N, K, D = 5, 3, 100, 7, 64
+    T, N, K, D = 5, 100, 7, 64
     q, kv = torch.randn(T, H, D).to(FP), torch.randn(N, D).to(FP)
     idx = torch.randint(-1, 40, (T, K), dtype=torch.int32)  # rows 40..99 untouched
     idx[:, 1] = idx[:, 0]
