@@ -56,95 +56,54 @@ _ST_CS_PTX_SRC = _FAKE_PTX_SRC.replace(_FAKE_RED, "st.global.cs.v4.f32")
 _FAKE_CONSTRAINTS_SRC = "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r"
 
 # The PTX of ``red_f32x4_lines`` (one instance: 16 registers of a thread; see its docstring).
-# tests/test_fake_column_order.py replays it for every lane.
-_LINES_PTX_SRC = """{
-    .reg .pred odd;
-    .reg .b32 l, t;
-    .reg .b64 o;
-    .reg .pred px;
-    .reg .b32 lox, hix, onx, fx;
-    .reg .b32 vx0, vx1, vx2, vx3;
-    .reg .b32 wx0, wx1, wx2, wx3;
-    .reg .b64 bsx, brx, bax;
-    .reg .pred py;
-    .reg .b32 loy, hiy, ony, fy;
-    .reg .b32 vy0, vy1, vy2, vy3;
-    .reg .b32 wy0, wy1, wy2, wy3;
-    .reg .b64 bsy, bry, bay;
-    mov.u32 l, %laneid;
-    and.b32 t, l, 4;
-    setp.ne.b32 odd, t, 0;
-    and.b32 l, l, 3;
-    mul.wide.u32 o, l, 16;
-    selp.b64 bsx, $16, $24, odd;
-    mov.b64 {lox, hix}, bsx;
-    shfl.sync.bfly.b32 lox, lox, 4, 0x1f, 0xffffffff;
-    shfl.sync.bfly.b32 hix, hix, 4, 0x1f, 0xffffffff;
-    mov.b64 brx, {lox, hix};
-    shfl.sync.bfly.b32 onx, $48, 4, 0x1f, 0xffffffff;
-    selp.b32 vx0, $32, $40, odd;
-    selp.b32 vx1, $33, $41, odd;
-    selp.b32 vx2, $36, $44, odd;
-    selp.b32 vx3, $37, $45, odd;
-    shfl.sync.bfly.b32 vx0, vx0, 4, 0x1f, 0xffffffff;
-    shfl.sync.bfly.b32 vx1, vx1, 4, 0x1f, 0xffffffff;
-    shfl.sync.bfly.b32 vx2, vx2, 4, 0x1f, 0xffffffff;
-    shfl.sync.bfly.b32 vx3, vx3, 4, 0x1f, 0xffffffff;
-    selp.b64 bax, brx, $16, odd;
-    add.s64 bax, bax, o;
-    selp.b32 fx, onx, $48, odd;
-    setp.ne.b32 px, fx, 0;
-    selp.b32 wx0, vx0, $32, odd;
-    selp.b32 wx1, vx1, $33, odd;
-    selp.b32 wx2, vx2, $36, odd;
-    selp.b32 wx3, vx3, $37, odd;
-    @px red.relaxed.gpu.global.add.v4.f32 [bax], {wx0, wx1, wx2, wx3};
-    selp.b64 bax, $24, brx, odd;
-    add.s64 bax, bax, o;
-    selp.b32 fx, $48, onx, odd;
-    setp.ne.b32 px, fx, 0;
-    selp.b32 wx0, $40, vx0, odd;
-    selp.b32 wx1, $41, vx1, odd;
-    selp.b32 wx2, $44, vx2, odd;
-    selp.b32 wx3, $45, vx3, odd;
-    @px red.relaxed.gpu.global.add.v4.f32 [bax], {wx0, wx1, wx2, wx3};
-    selp.b64 bsy, $18, $26, odd;
-    mov.b64 {loy, hiy}, bsy;
-    shfl.sync.bfly.b32 loy, loy, 4, 0x1f, 0xffffffff;
-    shfl.sync.bfly.b32 hiy, hiy, 4, 0x1f, 0xffffffff;
-    mov.b64 bry, {loy, hiy};
-    shfl.sync.bfly.b32 ony, $50, 4, 0x1f, 0xffffffff;
-    selp.b32 vy0, $34, $42, odd;
-    selp.b32 vy1, $35, $43, odd;
-    selp.b32 vy2, $38, $46, odd;
-    selp.b32 vy3, $39, $47, odd;
-    shfl.sync.bfly.b32 vy0, vy0, 4, 0x1f, 0xffffffff;
-    shfl.sync.bfly.b32 vy1, vy1, 4, 0x1f, 0xffffffff;
-    shfl.sync.bfly.b32 vy2, vy2, 4, 0x1f, 0xffffffff;
-    shfl.sync.bfly.b32 vy3, vy3, 4, 0x1f, 0xffffffff;
-    selp.b64 bay, bry, $18, odd;
-    add.s64 bay, bay, o;
-    selp.b32 fy, ony, $50, odd;
-    setp.ne.b32 py, fy, 0;
-    selp.b32 wy0, vy0, $34, odd;
-    selp.b32 wy1, vy1, $35, odd;
-    selp.b32 wy2, vy2, $38, odd;
-    selp.b32 wy3, vy3, $39, odd;
-    @py red.relaxed.gpu.global.add.v4.f32 [bay], {wy0, wy1, wy2, wy3};
-    selp.b64 bay, $26, bry, odd;
-    add.s64 bay, bay, o;
-    selp.b32 fy, $50, ony, odd;
-    setp.ne.b32 py, fy, 0;
-    selp.b32 wy0, $42, vy0, odd;
-    selp.b32 wy1, $43, vy1, odd;
-    selp.b32 wy2, $46, vy2, odd;
-    selp.b32 wy3, $47, vy3, odd;
-    @py red.relaxed.gpu.global.add.v4.f32 [bay], {wy0, wy1, wy2, wy3};
-    mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
-    mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
-    mov.b32 $8, 0; mov.b32 $9, 0; mov.b32 $10, 0; mov.b32 $11, 0;
-    mov.b32 $12, 0; mov.b32 $13, 0; mov.b32 $14, 0; mov.b32 $15, 0;
-}"""
+# tests/test_fake_column_order.py replays it for every lane. Its two halves (suffix x, then
+# y) are the same code on operands two apart: bases $16/$24 and $18/$26, flags $48 and $50,
+# values $32.. and $34.. (pairs of a thread's two rows, r and r + 8).
+
+
+def _lines_half_decls(h: str) -> str:
+    return (f"    .reg .pred p{h};\n"
+            f"    .reg .b32 lo{h}, hi{h}, on{h}, f{h};\n"
+            f"    .reg .b32 v{h}0, v{h}1, v{h}2, v{h}3;\n"
+            f"    .reg .b32 w{h}0, w{h}1, w{h}2, w{h}3;\n"
+            f"    .reg .b64 bs{h}, br{h}, ba{h};\n")
+
+
+def _lines_half(h: str, k: int) -> str:
+    """One half: lanes l and l ^ 4 swap the base and the values of the row the other one
+    adds, so each 16-byte reduction of the warp covers whole 128-byte lines."""
+    b0, b1, fl = 16 + k, 24 + k, 48 + k
+    v = [32 + k, 33 + k, 36 + k, 37 + k]  # this lane's values of the first row
+    w = [40 + k, 41 + k, 44 + k, 45 + k]  # and of the second
+    lines = [f"    selp.b64 bs{h}, ${b0}, ${b1}, odd;",
+             f"    mov.b64 {{lo{h}, hi{h}}}, bs{h};",
+             f"    shfl.sync.bfly.b32 lo{h}, lo{h}, 4, 0x1f, 0xffffffff;",
+             f"    shfl.sync.bfly.b32 hi{h}, hi{h}, 4, 0x1f, 0xffffffff;",
+             f"    mov.b64 br{h}, {{lo{h}, hi{h}}};",
+             f"    shfl.sync.bfly.b32 on{h}, ${fl}, 4, 0x1f, 0xffffffff;"]
+    lines += [f"    selp.b32 v{h}{i}, ${v[i]}, ${w[i]}, odd;" for i in range(4)]
+    lines += [f"    shfl.sync.bfly.b32 v{h}{i}, v{h}{i}, 4, 0x1f, 0xffffffff;" for i in range(4)]
+    for first in (True, False):  # the first row's line, then the second's
+        lines += [f"    selp.b64 ba{h}, br{h}, ${b0}, odd;" if first else
+                  f"    selp.b64 ba{h}, ${b1}, br{h}, odd;",
+                  f"    add.s64 ba{h}, ba{h}, o;",
+                  f"    selp.b32 f{h}, on{h}, ${fl}, odd;" if first else
+                  f"    selp.b32 f{h}, ${fl}, on{h}, odd;",
+                  f"    setp.ne.b32 p{h}, f{h}, 0;"]
+        lines += [f"    selp.b32 w{h}{i}, v{h}{i}, ${v[i]}, odd;" if first else
+                  f"    selp.b32 w{h}{i}, ${w[i]}, v{h}{i}, odd;" for i in range(4)]
+        lines += [f"    @p{h} red.relaxed.gpu.global.add.v4.f32 [ba{h}], {{w{h}0, w{h}1, w{h}2, w{h}3}};"]
+    return "\n".join(lines) + "\n"
+
+
+_LINES_PTX_SRC = ("{\n    .reg .pred odd;\n    .reg .b32 l, t;\n    .reg .b64 o;\n"
+                  + _lines_half_decls("x") + _lines_half_decls("y")
+                  + "    mov.u32 l, %laneid;\n    and.b32 t, l, 4;\n    setp.ne.b32 odd, t, 0;\n"
+                  + "    and.b32 l, l, 3;\n    mul.wide.u32 o, l, 16;\n"
+                  + _lines_half("x", 0) + _lines_half("y", 2)
+                  + "".join(f"    mov.b32 ${4 * i}, 0; mov.b32 ${4 * i + 1}, 0; mov.b32 ${4 * i + 2}, 0; "
+                            f"mov.b32 ${4 * i + 3}, 0;\n" for i in range(4))
+                  + "}")
 _LINES_CONSTRAINTS_SRC = ("=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,"
                           "l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,"
                           "r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,"
