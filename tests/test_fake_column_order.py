@@ -202,7 +202,7 @@ def test_evict_last_variant_differs_only_in_the_cache_policy():
     from dsv4_sparse_attn.kernels import hopper
 
     base = hopper._LINES_PTX_SRC
-    hinted = hopper._with_evict_last(base)
+    hinted = hopper._LINES_EVICT_LAST_PTX_SRC
     assert hinted.count("createpolicy.fractional.L2::evict_last.b64 pol, 1.0;") == 1
     assert hinted.count(".L2::cache_hint.v4.f32") == 4 == base.count("red.relaxed.gpu.global.add.v4.f32")
     policy = "    .reg .b64 pol;\n    createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"

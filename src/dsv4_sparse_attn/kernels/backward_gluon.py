@@ -45,9 +45,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .common import cuda_properties
-from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, balanced_order,
-                     fake_group_base, hopper_rejects, load_ids, red_f32x4_fake, red_f32x4_lines,
-                     st_f32x4_fake, thread_barrier, tile_token)
+from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON_VERSION, async_load,
+                     balanced_order, fake_group_base, hopper_rejects, load_ids, red_f32x4_fake,
+                     red_f32x4_lines, st_f32x4_fake, thread_barrier, tile_token)
 
 NAME = "gluon_sm90"
 BLOCK_H = 64  # heads of a tile (fewer heads: the tile's other rows are masked)
@@ -61,9 +61,8 @@ RED_LINES = True
 # The fast mode's whole-line reductions with an L2 evict-last policy (off: an A/B option,
 # ``launch(evict_last=...)``, for accumulators larger than the L2; not yet measured).
 RED_EVICT_LAST = False
-_TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
-_TRITON_38 = _TRITON_VERSION >= (3, 8)
-_TRITON_39 = _TRITON_VERSION >= (3, 9)
+_TRITON_38 = TRITON_VERSION >= (3, 8)
+_TRITON_39 = TRITON_VERSION >= (3, 9)
 
 
 # mbarrier slots

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 
 try:
     from triton.experimental import gluon
@@ -23,6 +24,9 @@ except ImportError as e:  # a Triton without Gluon's Hopper API
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 from .common import KERNEL_DTYPES, cuda_properties
+
+# (major, minor) of the installed Triton: what some Gluon builds compile clean under
+TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
 
 # Warp specialisation: 3 partitions of one warp group each, under a register limit of
 # MAXNREG per thread at launch; setmaxnreg then gives each consumer warp group 232 and
@@ -69,9 +73,10 @@ def _lines_half_decls(h: str) -> str:
             f"    .reg .b64 bs{h}, br{h}, ba{h};\n")
 
 
-def _lines_half(h: str, k: int) -> str:
+def _lines_half(h: str, k: int, red: str) -> str:
     """One half: lanes l and l ^ 4 swap the base and the values of the row the other one
-    adds, so each 16-byte reduction of the warp covers whole 128-byte lines."""
+    adds, so each 16-byte reduction of the warp covers whole 128-byte lines. ``red``: the
+    reduction, "{addr}, {vals}" filled in."""
     b0, b1, fl = 16 + k, 24 + k, 48 + k
     v = [32 + k, 33 + k, 36 + k, 37 + k]  # this lane's values of the first row
     w = [40 + k, 41 + k, 44 + k, 45 + k]  # and of the second
@@ -92,35 +97,36 @@ def _lines_half(h: str, k: int) -> str:
                   f"    setp.ne.b32 p{h}, f{h}, 0;"]
         lines += [f"    selp.b32 w{h}{i}, v{h}{i}, ${v[i]}, odd;" if first else
                   f"    selp.b32 w{h}{i}, ${w[i]}, v{h}{i}, odd;" for i in range(4)]
-        lines += [f"    @p{h} red.relaxed.gpu.global.add.v4.f32 [ba{h}], {{w{h}0, w{h}1, w{h}2, w{h}3}};"]
+        lines += [f"    @p{h} " + red.format(addr=f"[ba{h}]", vals=f"{{w{h}0, w{h}1, w{h}2, w{h}3}}")]
     return "\n".join(lines) + "\n"
 
 
-_LINES_PTX_SRC = ("{\n    .reg .pred odd;\n    .reg .b32 l, t;\n    .reg .b64 o;\n"
-                  + _lines_half_decls("x") + _lines_half_decls("y")
-                  + "    mov.u32 l, %laneid;\n    and.b32 t, l, 4;\n    setp.ne.b32 odd, t, 0;\n"
-                  + "    and.b32 l, l, 3;\n    mul.wide.u32 o, l, 16;\n"
-                  + _lines_half("x", 0) + _lines_half("y", 2)
-                  + "".join(f"    mov.b32 ${4 * i}, 0; mov.b32 ${4 * i + 1}, 0; mov.b32 ${4 * i + 2}, 0; "
-                            f"mov.b32 ${4 * i + 3}, 0;\n" for i in range(4))
-                  + "}")
+def _lines_ptx(evict_last: bool = False) -> str:
+    """``evict_last``: each reduction carries an L2 evict-last cache policy (``createpolicy``
+    once, then ``red...add.L2::cache_hint``, PTX 7.4+ / sm_80+): the accumulator's lines are
+    the last the L2 evicts, which matters once the fp32 [N, D] rows outgrow it (T = 32768:
+    84 MB)."""
+    if evict_last:
+        policy = "    .reg .b64 pol;\n    createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
+        red = "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32 {addr}, {vals}, pol;"
+    else:
+        policy, red = "", "red.relaxed.gpu.global.add.v4.f32 {addr}, {vals};"
+    return ("{\n" + policy + "    .reg .pred odd;\n    .reg .b32 l, t;\n    .reg .b64 o;\n"
+            + _lines_half_decls("x") + _lines_half_decls("y")
+            + "    mov.u32 l, %laneid;\n    and.b32 t, l, 4;\n    setp.ne.b32 odd, t, 0;\n"
+            + "    and.b32 l, l, 3;\n    mul.wide.u32 o, l, 16;\n"
+            + _lines_half("x", 0, red) + _lines_half("y", 2, red)
+            + "".join(f"    mov.b32 ${4 * i}, 0; mov.b32 ${4 * i + 1}, 0; mov.b32 ${4 * i + 2}, 0; "
+                      f"mov.b32 ${4 * i + 3}, 0;\n" for i in range(4))
+            + "}")
+
+
+_LINES_PTX_SRC = _lines_ptx()
+_LINES_EVICT_LAST_PTX_SRC = _lines_ptx(evict_last=True)
 _LINES_CONSTRAINTS_SRC = ("=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,"
                           "l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,"
                           "r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,"
                           "r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r")
-
-
-def _with_evict_last(ptx: str) -> str:
-    """``ptx`` with an L2 evict-last cache policy on each reduction (``createpolicy``, then
-    ``red...add.L2::cache_hint``, PTX 7.4+ / sm_80+): the accumulator's lines are the last
-    the L2 evicts, which matters once the fp32 [N, D] rows outgrow it (T = 32768: 84 MB)."""
-    policy = "    .reg .b64 pol;\n    createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
-    ptx = ptx.replace("{\n", "{\n" + policy, 1)
-    for v in ("wx", "wy"):
-        ptx = ptx.replace(f"red.relaxed.gpu.global.add.v4.f32 [ba{v[1]}], {{{v}0, {v}1, {v}2, {v}3}};",
-                          f"red.relaxed.gpu.global.add.L2::cache_hint.v4.f32 [ba{v[1]}], "
-                          f"{{{v}0, {v}1, {v}2, {v}3}}, pol;")
-    return ptx
 
 
 if gl is not None:
@@ -132,7 +138,7 @@ if gl is not None:
     _ST_CS_PTX = gl.constexpr(_ST_CS_PTX_SRC)
     _FAKE_CONSTRAINTS = gl.constexpr(_FAKE_CONSTRAINTS_SRC)
     _LINES_PTX = gl.constexpr(_LINES_PTX_SRC)
-    _LINES_PTX_EVICT_LAST = gl.constexpr(_with_evict_last(_LINES_PTX_SRC))
+    _LINES_PTX_EVICT_LAST = gl.constexpr(_LINES_EVICT_LAST_PTX_SRC)
     _LINES_CONSTRAINTS = gl.constexpr(_LINES_CONSTRAINTS_SRC)
     # cp.async gather into shared memory (3.8+: async_load)
     async_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
