@@ -83,53 +83,85 @@ sanitize-properties)
   # tests/test_properties_gpu.py at DSV4_PROPERTY_SCALE (SANITIZER_SCALE, default 1: 25
   # examples a test, 200 in all) against the oracle, then the same examples (a fixed seed)
   # under compute-sanitizer (SANITIZER_TOOLS, default initcheck and memcheck), and
-  # sanitize_case.py under each tool. The plain run fills the kernel cache (the sanitizer
-  # compiles and loads kernels at a fraction of the usual speed: 2026-12-01, H200, about
-  # 30 s an example with a warm cache). Each (tool, test, shard) is a process of its own
-  # (DSV4_PROPERTY_SHARD: SANITIZER_SHARDS processes share a test's examples), at most
-  # SANITIZER_JOBS at once. No caching allocator: the sanitizer then sees each tensor's
-  # own allocation. SANITIZER_ARGS go to compute-sanitizer (e.g. a kernel-name filter that
-  # leaves PyTorch's own kernels out).
+  # sanitize_case.py under each tool. The plain run fills the kernel cache (compiling bounds
+  # it; the sanitizer then loads and patches each kernel, 2026-12-01, H200: about 30 s an
+  # example). Each (tool, test, shard) is a process of its own (DSV4_PROPERTY_SHARD), at
+  # most SANITIZER_JOBS at once, all cut at SANITIZER_BUDGET seconds from the start. The
+  # run resumes: each example passed is recorded in .cache/sanitizer/<tool>.done (and
+  # plain.done) and skipped by the next call (DSV4_PROPERTY_DONE); on a fresh machine,
+  # copy the returned *.done files there first. No caching allocator: the sanitizer then
+  # sees each tensor's own allocation. SANITIZER_ARGS (and SANITIZER_ARGS_<tool>) go to
+  # compute-sanitizer, e.g. SANITIZER_ARGS_memcheck="--kernel-name-exclude kns=native": PyTorch's
+  # own kernels (at::native) then run unchecked. (Under initcheck their writes would then go
+  # unseen: false reports, never hidden ones.)
   export DSV4_PROPERTY_SCALE=${SANITIZER_SCALE:-1}
-  DSV4_PROPERTY_LOG=$OUT/property_examples.log timeout ${PROPERTY_TIMEOUT:-200} python3 -m pytest -q -n 8 -p no:cacheprovider \
-    tests/test_properties_gpu.py --hypothesis-show-statistics -W ignore::UserWarning 2>&1 \
-    | grep -v -i "benchmark" > "$OUT/properties_gpu.log"
-  grep -E "passing|passed|failed|Error" "$OUT/properties_gpu.log" | sort | uniq -c | tail -8
-  echo "plain run: $(grep -c 'ok in' "$OUT/property_examples.log") examples passed"
-  logs=/tmp/sanitizer_logs; rm -rf $logs; mkdir -p $logs
+  deadline=$(($(date +%s) + ${SANITIZER_BUDGET:-560}))
+  done_dir=$PWD/.cache/sanitizer; logs=/tmp/sanitizer_logs; rm -rf $logs; mkdir -p $logs $done_dir
+  tests=$(python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_properties_gpu.py 2>/dev/null | grep '::')
   shards=${SANITIZER_SHARDS:-2}
-  jobs=()
-  for tool in ${SANITIZER_TOOLS:-initcheck memcheck}; do
-    for id in $(python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_properties_gpu.py 2>/dev/null \
-                | grep '::'); do
-      for ((k = 0; k < shards; k++)); do jobs+=("$tool $k/$shards $id"); done
-    done
-    jobs+=("$tool 0/1 sanitize_case")
-  done
-  sanitize_one() {  # TOOL SHARD TEST: one process under compute-sanitizer, its log in $logs
-    local tool=$1 shard=$2 id=$3 n cmd
-    n=$(echo "$tool $shard $id" | md5sum | cut -c1-8)
+  sanitize_one() {  # TOOL SHARD TEST: one process (under compute-sanitizer unless TOOL=plain)
+    local tool=$1 shard=$2 id=$3 n cmd left
+    n=$tool-$(echo "$tool $shard $id" | md5sum | cut -c1-8)
+    left=$((deadline - $(date +%s) - 15)); [ $left -lt 20 ] && { echo "== $tool $shard $id: not started (budget)" > $logs/$n.log; return; }
     if [ "$id" = sanitize_case ]; then cmd=(python3 benchmarks/sanitize_case.py)
     else cmd=(python3 -m pytest -q -p no:cacheprovider "$id" -W ignore::UserWarning); fi
+    local extra=SANITIZER_ARGS_$tool  # per tool, e.g. SANITIZER_ARGS_memcheck
+    [ "$tool" = plain ] || cmd=(compute-sanitizer --tool $tool --error-exitcode 9 ${SANITIZER_ARGS:-} ${!extra:-} "${cmd[@]}")
+    [ "$tool" = plain ] || export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+    DSV4_PROPERTY_SHARD=$shard DSV4_PROPERTY_LOG=$logs/$n.examples DSV4_PROPERTY_DONE=$done_dir/$tool.done \
+      timeout -k 10 $left "${cmd[@]}" > $logs/$n.full 2>&1
+    local rc=$? errors
+    # every sanitizer report (not only the tail), then the tail of the output
+    errors=$(grep '^=========' $logs/$n.full | grep -v -E 'COMPUTE-SANITIZER|ERROR SUMMARY: 0 errors' | wc -l)
     { echo "== $tool $shard $id"
-      DSV4_PROPERTY_SHARD=$shard DSV4_PROPERTY_LOG=$logs/$n.examples PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-        timeout ${SANITIZER_TIMEOUT:-330} compute-sanitizer --tool $tool --error-exitcode 9 ${SANITIZER_ARGS:-} "${cmd[@]}" 2>&1 \
-        | grep -v -i benchmark | tail -40
-      echo "== $tool $shard $id: exit ${PIPESTATUS[0]}, examples passed: $(cat $logs/$n.examples 2>/dev/null | grep -c 'ok in')"
+      grep '^=========' $logs/$n.full | grep -v 'COMPUTE-SANITIZER' | head -60
+      grep -v -i -E '^=========|benchmark' $logs/$n.full | tail -25
+      echo "== $tool $shard $id: exit $rc, sanitizer report lines $errors, examples passed: $(grep -c ' ok .* in ' $logs/$n.examples 2>/dev/null)"
     } > $logs/$n.log 2>&1
+    # only a process without reports counts its examples as clean
+    [ $errors = 0 ] || mv $logs/$n.examples $logs/$n.examples.reported 2>/dev/null
   }
-  export -f sanitize_one; export logs
+  export -f sanitize_one; export logs deadline done_dir SANITIZER_ARGS SANITIZER_ARGS_memcheck SANITIZER_ARGS_initcheck
+  for tool in ${SANITIZER_TOOLS:-initcheck memcheck}; do  # arguments the sanitizer rejects: say so, drop them
+    a=SANITIZER_ARGS_$tool
+    if ! timeout 120 compute-sanitizer --tool $tool ${SANITIZER_ARGS:-} ${!a:-} python3 -c \
+        "import torch; torch.ones(4, device='cuda').sum().item()" > /tmp/sanitizer_args.log 2>&1; then
+      echo "compute-sanitizer --tool $tool ${SANITIZER_ARGS:-} ${!a:-}: rejected, run without them"; tail -3 /tmp/sanitizer_args.log
+      unset SANITIZER_ARGS $a
+    fi
+  done
+  passed() { cat $done_dir/$1.done 2>/dev/null | grep -c "${2:- ok .* in }"; }
+  # the plain run (fills the kernel cache), its processes sharded like the sanitizer's
+  if [ "${SANITIZER_PLAIN:-1}" = 1 ]; then
+    for id in $tests; do for ((k = 0; k < shards; k++)); do echo "plain $k/$shards $id"; done; done \
+      | deadline=$(($(date +%s) + ${PROPERTY_TIMEOUT:-200})) xargs -P 16 -L 1 bash -c 'sanitize_one $0 $1 $2'
+    cat $logs/*.examples >> $done_dir/plain.done 2>/dev/null
+    grep -h -E "^== .*: exit|failed|Error" $logs/*.log | sort | uniq -c | sort -rn | head -12
+    echo "plain run: $(passed plain) examples passed in all"
+    cat $logs/*.log > "$OUT/properties_gpu.log"; rm -f $logs/*
+  fi
+  jobs=()
+  for tool in ${SANITIZER_TOOLS:-initcheck memcheck}; do
+    grep -q '^sanitize_case ok' $done_dir/$tool.done 2>/dev/null || jobs+=("$tool 0/1 sanitize_case")
+  done
+  for tool in ${SANITIZER_TOOLS:-initcheck memcheck}; do
+    for id in $tests; do for ((k = 0; k < shards; k++)); do jobs+=("$tool $k/$shards $id"); done; done
+  done
   printf '%s\n' "${jobs[@]}" | xargs -P ${SANITIZER_JOBS:-16} -L 1 bash -c 'sanitize_one $0 $1 $2'
-  cat $logs/*.log > "$OUT/sanitizer_properties.log"
-  grep -E "^== .*: exit|Invalid|Uninitialized|failed" "$OUT/sanitizer_properties.log" | sort | tail -80
+  for f in $logs/*.log; do
+    e=${f%.log}.examples; tool=$(basename $f | cut -d- -f1)
+    [ -f $e ] && cat $e >> $done_dir/$tool.done
+    if grep -q '== .* sanitize_case: exit 0, sanitizer report lines 0' $f; then echo "sanitize_case ok" >> $done_dir/$tool.done; fi
+  done
+  cat $logs/*.log > "$OUT/sanitizer_properties.log"; cp $done_dir/*.done "$OUT/"
+  grep -h -E "^== .*: (exit|not)|Invalid|Uninitialized|failed" "$OUT/sanitizer_properties.log" | sort | tail -40
   echo "ERROR SUMMARY lines: $(grep 'ERROR SUMMARY' "$OUT/sanitizer_properties.log" | sort | uniq -c | tr '\n' ' ')"
-  echo "examples passed under the sanitizer: $(cat $logs/*.examples 2>/dev/null | grep -c 'ok in')"
-  # seconds an example took under the sanitizer (first examples of a process compile and load)
-  cat $logs/*.examples 2>/dev/null | awk '/ok in/ {t = $(NF - 1); n++; s += t; if (t > m) m = t}
-    END {if (n) printf "seconds an example: mean %.1f, max %.1f over %d\n", s / n, m, n}' 
-  # the compiled kernels, for a later machine (a cold cache bounds this part): in pieces
-  # under the 16 MB a returned file may have; `cat triton_cache.tar.xz.* | tar -xJ -C .cache`
-  tar -cJf - -C .cache triton | split -b 15M - "$OUT/triton_cache.tar.xz." && ls -la "$OUT"/triton_cache.*
+  for tool in ${SANITIZER_TOOLS:-initcheck memcheck}; do
+    echo "$tool: $(passed $tool) examples passed in all; $(passed $tool '^sanitize_case ok') sanitize_case"
+    # seconds an example took (the first examples of a process load and patch the kernels)
+    grep -h ' ok .* in ' $logs/$tool-*.examples 2>/dev/null | awk '{t = $(NF - 1); n++; s += t; if (t > m) m = t}
+      END {if (n) printf "  this call: seconds an example: mean %.1f, max %.1f over %d\n", s / n, m, n}'
+  done
   ;;
 features)
   timeout 400 python3 benchmarks/features_bench.py 2>&1 | tee "$OUT/features.log" | grep -v '^{'
