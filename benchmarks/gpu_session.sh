@@ -97,7 +97,8 @@ sanitize-properties)
   export DSV4_PROPERTY_SCALE=${SANITIZER_SCALE:-1}
   deadline=$(($(date +%s) + ${SANITIZER_BUDGET:-560}))
   done_dir=$PWD/.cache/sanitizer; logs=/tmp/sanitizer_logs; rm -rf $logs; mkdir -p $logs $done_dir
-  tests=$(python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_properties_gpu.py 2>/dev/null | grep '::')
+  tests=$(python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_properties_gpu.py 2>/dev/null | grep '::' \
+          | grep -E -- "${SANITIZER_ONLY:-.}")  # SANITIZER_ONLY: a regex on the test ids
   shards=${SANITIZER_SHARDS:-2}
   sanitize_one() {  # TOOL SHARD TEST: one process (under compute-sanitizer unless TOOL=plain)
     local tool=$1 shard=$2 id=$3 n cmd left
@@ -180,13 +181,15 @@ triton-next)
   export PYTHONPATH=/tmp/triton-next:$PYTHONPATH TRITON_CACHE_DIR=$PWD/.cache/triton-next
   python3 -c "import triton; print('triton', triton.__version__, triton.__file__)" | tee "$OUT/triton_next.log"
   # TRITON_NEXT_FULL=1: the `tests` part's GPU files and opcheck, and the whole default
-  # table (about 9 minutes); else the kernel tests and three rows of the table
+  # table (about 9 minutes; TRITON_NEXT_PARTS="tests" or "bench" for one of the two, e.g.
+  # in two calls); else the kernel tests and three rows of the table
+  parts=${TRITON_NEXT_PARTS:-tests bench}
   if [ "${TRITON_NEXT_FULL:-0}" = 1 ]; then
-    timeout 360 python3 -m pytest -q -rs -n 6 -p no:cacheprovider tests/test_kernels_gpu.py tests/test_compile.py \
+    [[ $parts == *tests* ]] && timeout ${TRITON_NEXT_TESTS_TIMEOUT:-360} python3 -m pytest -q -rs -n 6 -p no:cacheprovider tests/test_kernels_gpu.py tests/test_compile.py \
       tests/test_cuda_graphs.py tests/test_checkpointing.py tests/test_modules.py tests/test_export.py 2>&1 \
       | tail -15 | tee -a "$OUT/triton_next.log"
-    timeout 90 python3 opcheck/run_opcheck.py --device cuda 2>&1 | tail -3 | tee -a "$OUT/triton_next.log"
-    timeout 300 python3 benchmarks/bench.py --no-torch --json "$OUT/bench_triton_next.json" 2>&1 \
+    [[ $parts == *tests* ]] && timeout 90 python3 opcheck/run_opcheck.py --device cuda 2>&1 | tail -3 | tee -a "$OUT/triton_next.log"
+    [[ $parts == *bench* ]] && timeout ${TRITON_NEXT_BENCH_TIMEOUT:-300} python3 benchmarks/bench.py --no-torch --json "$OUT/bench_triton_next.json" 2>&1 \
       | grep -v '^{' | tail -16 | tee -a "$OUT/triton_next.log"
   else
     timeout 300 python3 -m pytest -q -rs -n 6 -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 | tail -15 \
