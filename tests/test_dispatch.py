@@ -252,7 +252,7 @@ def test_triton_takes_values_narrower_than_keys_by_64_columns(D, d_v, takes):
 def test_python_m_report_lists_lengths_and_the_v32_layout(fresh, monkeypatch):
     """The CUDA table (on an sm_90 GPU, faked): the Gluon kernels take a topk_length at
     D = 512 (the forward from 17 heads, as without lengths); the Gluon backward takes the
-    576/512 layout under Triton 3.6-3.7, the Gluon forward under 3.6-3.8 from 17 heads;
+    576/512 layout, the Gluon forward from 17 heads;
     otherwise for d_v < D they step aside for Triton's and say why; D = 576 with d_v = D
     runs the reference."""
     from dsv4_sparse_attn import __main__ as cli
@@ -264,13 +264,11 @@ def test_python_m_report_lists_lengths_and_the_v32_layout(fresh, monkeypatch):
     lines = cli.report(torch.device("cuda", 0)).splitlines()
     special = [line for line in lines if "576/512" in line or "+len" in line]
     assert len(special) == 2 * 3 * 3  # (576/512, 512 +len) x 3 ops x 3 head ranges
-    from dsv4_sparse_attn.kernels import backward_gluon
-
     for line in special:
         if "+len" in line and not ("fwd" in line and " 1-16 " in line):
             assert " gluon_sm90 " in line, line
-        elif "576/512" in line and "bwd" in line and not backward_gluon._TRITON_38:
-            assert " gluon_sm90 " in line, line  # the Gluon backward takes 576/512 up to Triton 3.7
+        elif "576/512" in line and "bwd" in line:
+            assert " gluon_sm90 " in line, line  # the Gluon backward takes 576/512
         elif "576/512" in line and "fwd" in line and " 1-16 " not in line:
             assert " gluon_sm90 " in line, line  # the Gluon forward takes 576/512 from 17 heads
         else:

@@ -379,8 +379,7 @@ def test_op_runs_the_gluon_kernels_on_hopper(deterministic):
 def test_lengths_and_the_v32_layout_through_the_ops(layout, deterministic):
     """topk_length (values past K and negative included) and the 576/512 layout through the
     ops, against the float64 oracle: the Gluon kernels run the lengths at D = 512 on sm_90,
-    the Gluon backward the 576/512 layout (Triton 3.6-3.7) and the Gluon forward too (3.6-3.8),
-    the Triton kernels the rest."""
+    the Gluon backward and forward the 576/512 layout, the Triton kernels the rest."""
     T, H, N, K = (300, 128, 700, 300) if layout.endswith("many-tiles") else (9, 64, 700, 640)
     D, d_v = (576, 512) if layout.startswith("v32") else (512, None)
     torch.manual_seed(0)

@@ -197,17 +197,17 @@ def test_wgmma_accumulator_layout_is_what_the_reductions_assume():
 @pytest.mark.parametrize("red", [False, True], ids=["deterministic", "fast"])
 def test_gluon_backward_v32_compiles_for_sm90(red):
     """The Gluon main kernel at D = 576, d_v = 512 (the 64 score-only columns in their own
-    shared buffers, 229 KB in all). Where the dispatcher gives it the 576/512 layout (Triton
-    3.6 and 3.7), no wgmma serialisation and no spill reload in the block loops; from 3.8 on
-    ptxas serialises its wgmmas, and the dispatcher says so."""
+    shared buffers, 229 KB in all). Under Triton 3.6 and 3.7 no wgmma serialisation and no
+    spill reload in the block loops; from 3.8 on ptxas serialises its wgmmas (3.8 both
+    modes, 3.9 the fast one) and 3.9 reloads 11-19 values a loop (bounded here: the
+    dispatcher gives it the layout on every Triton)."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
 
     r = compile_backward_gluon(red=red, rope=64)
     assert r["shared"] <= H200_SMEM_LIMIT, r
     assert r["wgmma"] > 0 and r["mma_sync"] == 0, r
     if G._TRITON_38:
-        assert r["wgmma_serialized"] or any(lp["LDL"] for lp in r["mma_loops"]), \
-            "this build compiles clean now: give it the 576/512 layout (backward_gluon.rejects)"
+        assert len(r["mma_loops"]) == 2 and all(lp["LDL"] <= 24 for lp in r["mma_loops"]), r["mma_loops"]
         return
     assert r["wgmma_serialized"] is False, r
     assert len(r["mma_loops"]) == 2 and all(lp["LDL"] == 0 for lp in r["mma_loops"]), r["mma_loops"]
