@@ -13,7 +13,8 @@
 #   bash benchmarks/gpu_session.sh experiments  # A/B: evict_last_bench.py, proto_ab.py
 #   bash benchmarks/gpu_session.sh triton-next  # GPU kernel tests and a quick bench under the
 #                                          # Triton unpacked from .t39/triton*.tar.xz (a stripped
-#                                          # cp312 wheel: docs/performance/method.md#another-triton)
+#                                          # cp312 wheel: benchmarks/pack_triton.sh; another
+#                                          # folder: TRITON_NEXT_TAR=.t38)
 # bench and sweep write benchmarks/results/*.json; report.py then rewrites README.md's
 # performance section and docs/performance/bench.png. All three come back under $OUT
 # (results/, README.md, bench.png): copy them into the checkout and commit them.
@@ -175,8 +176,9 @@ experiments)
   PROTO_AB_SHORT=1 timeout 240 python3 benchmarks/experiments/proto_ab.py 2>&1 | tee "$OUT/proto_ab.jsonl"
   ;;
 triton-next)
-  tarball=$(ls .t39/triton*.tar.xz 2>/dev/null | head -1)
-  [ -n "$tarball" ] || { echo "no .t39/triton*.tar.xz"; exit 2; }
+  # TRITON_NEXT_TAR: the folder of the packed Triton (benchmarks/pack_triton.sh), default .t39
+  tarball=$(ls ${TRITON_NEXT_TAR:-.t39}/triton*.tar.xz 2>/dev/null | head -1)
+  [ -n "$tarball" ] || { echo "no ${TRITON_NEXT_TAR:-.t39}/triton*.tar.xz"; exit 2; }
   mkdir -p /tmp/triton-next && tar -xJf "$tarball" -C /tmp/triton-next
   export PYTHONPATH=/tmp/triton-next:$PYTHONPATH TRITON_CACHE_DIR=$PWD/.cache/triton-next
   python3 -c "import triton; print('triton', triton.__version__, triton.__file__)" | tee "$OUT/triton_next.log"
