@@ -127,11 +127,13 @@ def load(path: str) -> dict:
     return doc
 
 
-def newest(results_dir: str = RESULTS_DIR) -> list:
+def newest(results_dir: str = RESULTS_DIR, triton_version: str | None = None) -> list:
     """The newest default-table and backward-sweep results in ``results_dir`` (complete runs
     before partial ones, then the runs with the most rows: a run of a few shapes, such as
-    one made next to another Triton, does not replace a whole table; then by timestamp;
-    quick runs left out): a list of 0 to 2 documents."""
+    one made next to another Triton, does not replace a whole table; then, given
+    ``triton_version``, the runs under that Triton (a whole table under a carried Triton
+    does not replace the one under the GPU machine's own); then by timestamp; quick runs
+    left out): a list of 0 to 2 documents."""
     best = {}
     for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
         try:
@@ -141,7 +143,8 @@ def newest(results_dir: str = RESULTS_DIR) -> list:
             continue
         if doc["quick"]:
             continue
-        key = (doc["complete"], len(doc["rows"]), doc["timestamp"], os.path.basename(path))
+        same_triton = triton_version is None or doc["versions"]["triton"] == triton_version
+        key = (doc["complete"], len(doc["rows"]), same_triton, doc["timestamp"], os.path.basename(path))
         if doc["kind"] not in best or key > best[doc["kind"]][0]:
             best[doc["kind"]] = (key, doc)
     return [best[k][1] for k in ("table", "backward_sweep") if k in best]
@@ -415,11 +418,20 @@ def main(argv=None) -> int:
     ap.add_argument("--results-dir", default=RESULTS_DIR, help="where to look for the newest results")
     ap.add_argument("--readme", default=README, help="the README whose marked section is rewritten")
     ap.add_argument("--png", default=PNG, help="the figure to write")
+    ap.add_argument("--triton", default=None,
+                    help="prefer the runs under this Triton version (default: the installed one, on the GPU "
+                         "machine its own, not one carried there)")
     ap.add_argument("--no-plot", action="store_true", help="tables only")
     ap.add_argument("--print-only", action="store_true", help="print the tables; write nothing")
     a = ap.parse_args(argv)
 
-    docs = [load(p) for p in a.json] if a.json else newest(a.results_dir)
+    if a.triton is None:
+        try:
+            import triton
+            a.triton = triton.__version__
+        except ImportError:
+            pass
+    docs = [load(p) for p in a.json] if a.json else newest(a.results_dir, a.triton)
     if not docs:
         sys.exit(f"report.py: no results in {a.results_dir} "
                  "(run benchmarks/bench.py on a GPU, or name the files)")

@@ -116,6 +116,12 @@ def test_newest_files_are_picked(tmp_path):
     (tmp_path / "broken.json").write_text("{")
     docs = report.newest(str(tmp_path))
     assert [os.path.basename(d["_path"]) for d in docs] == ["b.json", "e.json"]
+    # a whole table under another (carried) Triton, newer: picked only without a version
+    versions = dict(json.load(open(TABLE))["versions"], triton="9.9.9")
+    put("g.json", TABLE, timestamp="2026-12-07T00:00:00+00:00", versions=versions)
+    mine = json.load(open(TABLE))["versions"]["triton"]
+    assert os.path.basename(report.newest(str(tmp_path))[0]["_path"]) == "g.json"
+    assert os.path.basename(report.newest(str(tmp_path), mine)[0]["_path"]) == "b.json"
 
 
 def test_command_line(readme, tmp_path):
