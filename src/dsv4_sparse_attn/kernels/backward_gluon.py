@@ -577,8 +577,9 @@ def rejects(call) -> str | None:
 
     Also the 576/512 layout (D = 576, d_v = 512), on every Triton: from 3.8 on ptxas
     serialises that build's wgmmas and 3.9 reloads spilled values in its block loops
-    (tests/test_sm90_compile.py), which should still cost less than the Triton main
-    kernel's 0.55x of this kernel's speed under 3.6 (to be measured).
+    (tests/test_sm90_compile.py); under 3.9 it still runs at 1.4-1.6x the Triton main
+    kernel in the fast mode and 1.3-1.4x in the deterministic one (H200; 3.8 not timed:
+    docs/performance/backward.md#the-576512-layout-in-the-gluon-main-kernel).
     """
     return hopper_rejects(call, v32=True)
 
