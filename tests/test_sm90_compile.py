@@ -7,8 +7,8 @@ Registers and spills come from the ptxas this Triton uses for sm_90; a check tha
 measure fails (sm90_compile.MeasureError).
 """
 import pytest
-import triton
 
+from dsv4_sparse_attn.kernels.hopper import TRITON_VERSION
 from sm90_compile import (H200_SMEM_LIMIT, compile_backward, compile_backward_gluon, compile_forward,
                           compile_forward_gluon, wgmma_register_bases)
 
@@ -108,8 +108,6 @@ def test_gluon_forward_v32_compiles_for_sm90(has_sink, has_len):
     wgmma serialisation, no spill reload in the block loops, at most a few spilled bytes
     outside them (3.6: none; 3.7-3.8: 4 with lengths). Under 3.9 ptxas reloads a spilled
     value (the shared-memory base) in the block loops: at most one per loop."""
-    from dsv4_sparse_attn.kernels import forward_gluon as G
-
     r = compile_forward_gluon(has_sink=has_sink, has_len=has_len, rope=64)
     base = compile_forward_gluon(has_sink=has_sink, has_len=has_len)
     assert r["shared"] <= H200_SMEM_LIMIT, r
@@ -118,7 +116,7 @@ def test_gluon_forward_v32_compiles_for_sm90(has_sink, has_len):
     assert len(r["mma_loops"]) == 2, r["mma_loops"]
     assert [lp["HGMMA"] for lp in r["mma_loops"]] == [lp["HGMMA"] + 4 for lp in base["mma_loops"]], \
         (base["mma_loops"], r["mma_loops"])
-    if G._TRITON_39:
+    if TRITON_VERSION >= (3, 9):
         assert r["wgmma_serialized"] is False and all(lp["LDL"] <= 1 for lp in r["mma_loops"]), r
         return
     assert r["wgmma_serialized"] is False, r
@@ -178,8 +176,7 @@ def _reload_allowance(red: bool, has_len: bool = False) -> int:
     block and the slot); a ratchet on today's counts, whose cost on the H200 is in
     docs/performance/backward.md#triton-39. With lengths, one more: the token's clamped
     length, a computed value where K is a kernel argument."""
-    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
-    if (major, minor) < (3, 9):
+    if TRITON_VERSION < (3, 9):
         return 0
     return (6 if red else 9) + has_len
 
@@ -201,12 +198,10 @@ def test_gluon_backward_v32_compiles_for_sm90(red):
     spill reload in the block loops; from 3.8 on ptxas serialises its wgmmas (3.8 both
     modes, 3.9 the fast one) and 3.9 reloads 11-19 values a loop (bounded here: the
     dispatcher gives it the layout on every Triton)."""
-    from dsv4_sparse_attn.kernels import backward_gluon as G
-
     r = compile_backward_gluon(red=red, rope=64)
     assert r["shared"] <= H200_SMEM_LIMIT, r
     assert r["wgmma"] > 0 and r["mma_sync"] == 0, r
-    if G._TRITON_38:
+    if TRITON_VERSION >= (3, 8):
         assert len(r["mma_loops"]) == 2 and all(lp["LDL"] <= 24 for lp in r["mma_loops"]), r["mma_loops"]
         return
     assert r["wgmma_serialized"] is False, r

@@ -61,7 +61,6 @@ RED_LINES = True
 # The fast mode's whole-line reductions with an L2 evict-last policy (off: an A/B option,
 # ``launch(evict_last=...)``, for accumulators larger than the L2; not yet measured).
 RED_EVICT_LAST = False
-_TRITON_38 = TRITON_VERSION >= (3, 8)
 _TRITON_39 = TRITON_VERSION >= (3, 9)
 
 

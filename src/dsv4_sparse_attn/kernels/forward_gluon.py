@@ -46,11 +46,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .common import cuda_properties
 from .forward_triton import FWD_RUNTIME_INTS, prepare_forward
-from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON_VERSION, async_load,
-                     balanced_order, finish_softmax, hopper_rejects, load_ids, thread_barrier, tile_token)
+from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, balanced_order,
+                     finish_softmax, hopper_rejects, load_ids, thread_barrier, tile_token)
 
 BLOCK_H = 64
-_TRITON_39 = TRITON_VERSION >= (3, 9)
 
 # mbarrier slots
 _Q_READY = gl.constexpr(0)
