@@ -101,6 +101,7 @@ sanitize-properties)
   tests=$(python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_properties_gpu.py 2>/dev/null | grep '::' \
           | grep -E -- "${SANITIZER_ONLY:-.}")  # SANITIZER_ONLY: a regex on the test ids
   shards=${SANITIZER_SHARDS:-2}
+  tools=${SANITIZER_TOOLS:-initcheck memcheck}
   sanitize_one() {  # TOOL SHARD TEST: one process (under compute-sanitizer unless TOOL=plain)
     local tool=$1 shard=$2 id=$3 n cmd left
     n=$tool-$(echo "$tool $shard $id" | md5sum | cut -c1-8)
@@ -124,7 +125,7 @@ sanitize-properties)
     [ $errors = 0 ] || mv $logs/$n.examples $logs/$n.examples.reported 2>/dev/null
   }
   export -f sanitize_one; export logs deadline done_dir SANITIZER_ARGS SANITIZER_ARGS_memcheck SANITIZER_ARGS_initcheck
-  for tool in ${SANITIZER_TOOLS:-initcheck memcheck}; do  # arguments the sanitizer rejects: say so, drop them
+  for tool in $tools; do  # arguments the sanitizer rejects: say so, drop them
     a=SANITIZER_ARGS_$tool
     if ! timeout 120 compute-sanitizer --tool $tool ${SANITIZER_ARGS:-} ${!a:-} python3 -c \
         "import torch; torch.ones(4, device='cuda').sum().item()" > /tmp/sanitizer_args.log 2>&1; then
@@ -143,10 +144,10 @@ sanitize-properties)
     cat $logs/*.log > "$OUT/properties_gpu.log"; rm -f $logs/*
   fi
   jobs=()
-  for tool in ${SANITIZER_TOOLS:-initcheck memcheck}; do
+  for tool in $tools; do
     grep -q '^sanitize_case ok' $done_dir/$tool.done 2>/dev/null || jobs+=("$tool 0/1 sanitize_case")
   done
-  for tool in ${SANITIZER_TOOLS:-initcheck memcheck}; do
+  for tool in $tools; do
     for id in $tests; do for ((k = 0; k < shards; k++)); do jobs+=("$tool $k/$shards $id"); done; done
   done
   printf '%s\n' "${jobs[@]}" | xargs -P ${SANITIZER_JOBS:-16} -L 1 bash -c 'sanitize_one $0 $1 $2'
@@ -158,7 +159,7 @@ sanitize-properties)
   cat $logs/*.log > "$OUT/sanitizer_properties.log"; cp $done_dir/*.done "$OUT/"
   grep -h -E "^== .*: (exit|not)|Invalid|Uninitialized|failed" "$OUT/sanitizer_properties.log" | sort | tail -40
   echo "ERROR SUMMARY lines: $(grep 'ERROR SUMMARY' "$OUT/sanitizer_properties.log" | sort | uniq -c | tr '\n' ' ')"
-  for tool in ${SANITIZER_TOOLS:-initcheck memcheck}; do
+  for tool in $tools; do
     echo "$tool: $(passed $tool) examples passed in all; $(passed $tool '^sanitize_case ok') sanitize_case"
     # seconds an example took (the first examples of a process load and patch the kernels)
     grep -h ' ok .* in ' $logs/$tool-*.examples 2>/dev/null | awk '{t = $(NF - 1); n++; s += t; if (t > m) m = t}
