@@ -128,3 +128,42 @@ def test_fold_tiles_give_the_same_bits_interpreted(monkeypatch, tile, H):
     many = run()
     assert all(torch.equal(a, b) for a, b in zip(one, many))
     assert torch.all(many[1][40:] == 0) and many[1][:40].abs().sum() > 0
+
+
+@pytest.mark.parametrize("sort_entries", [1, 40, 10**6], ids=["chunk-a-sort", "chunks-2-a-sort", "one-sort"])
+@pytest.mark.parametrize("lengths", [False, True], ids=["full", "lengths"])
+def test_chunked_deterministic_backward_gives_the_same_bits_interpreted(monkeypatch, sort_entries, lengths):
+    """The deterministic backward in chunks of 2 tokens (T = 7: the last chunk short), their
+    ids inverted one chunk a sort, two a sort (the last group short) or all at once: bitwise
+    the gradients of one chunk, with masked, out-of-range and duplicated ids and per-token
+    lengths (values past K and negative too)."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
+    from dsv4_sparse_attn.kernels import backward_triton
+    from dsv4_sparse_attn.kernels import forward_triton as kfwd
+
+    torch_sort = torch.sort
+    torch.manual_seed(0)
+    T, H, N, K, D = 7, 3, 50, 9, 64
+    q, kv = torch.randn(T, H, D).to(FP), torch.randn(N, D).to(FP)
+    idx = torch.randint(-3, N + 5, (T, K), dtype=torch.int64)
+    idx[:, 1] = idx[:, 0]
+    length = torch.tensor([0, 3, 9, 20, -2, 5, 1], dtype=torch.int32) if lengths else None
+    sink = torch.randn(H)
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, topk_length=length)
+    do = torch.randn_like(out)
+
+    def run():
+        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
+                                   main=backward_triton, deterministic=True, topk_length=length)
+
+    whole = run()
+    per_token = backward_triton.partial_slots(K) * D * 4  # partial-row bytes of a token (one head block)
+    monkeypatch.setattr(kbwd, "PARTIAL_BYTES", 2 * per_token)  # chunks of 2 tokens
+    monkeypatch.setattr(kbwd, "SORT_ENTRIES", sort_entries)
+    sorts, launch = [], backward_triton.launch
+    monkeypatch.setattr(kbwd.torch, "sort", lambda *a, **k: sorts.append(1) or torch_sort(*a, **k))
+    monkeypatch.setattr(backward_triton, "launch", lambda *a, **k: sorts.append(0) or launch(*a, **k))
+    chunked = run()
+    assert sorts.count(0) == 4 and sorts.count(1) == {1: 4, 40: 2, 10**6: 1}[sort_entries]
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+    assert whole[1].abs().sum() > 0

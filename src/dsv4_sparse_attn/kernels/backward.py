@@ -33,6 +33,31 @@ from .common import LOG2E, cuda_properties, last_dim_contiguous, next_pow2
 # use, and as large as that allows, since fewer chunks mean fewer partial waves.
 PARTIAL_BYTES = 896 * 2**20
 
+# The deterministic path inverts the ids of several chunks with one batched stable sort
+# (and one searchsorted): its host work per chunk is then two launches, not a dozen
+# PyTorch calls (with short per-token lengths the chunks' kernels got shorter than the
+# host's work for them). At most this many (token, slot) entries a sort: about 24 bytes
+# an entry at its peak (int16 keys and their sorted copy, int64 positions, the sort's own
+# buffers), 48 MiB.
+SORT_ENTRIES = 2**21
+
+
+@triton.jit(do_not_specialize=["t_lo", "n_tok", "K", "stride_t", "N", "n"])
+def _sort_keys_kernel(IDX, LEN, KEYS, t_lo, n_tok, K, stride_t, N, n,
+                      HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
+    """KEYS[e] for the flat (token - t_lo, slot) entries e < n: the entry's kv row, or N
+    where it adds nothing (id < 0 or >= N, slot past the token's length, token past the
+    last one): N sorts after every row."""
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tok = e // K
+    slot = e - tok * K
+    ok = (e < n) & (tok < n_tok)
+    ids = tl.load(IDX + (t_lo + tok) * stride_t + slot, mask=ok, other=-1).to(tl.int64)
+    ok &= (ids >= 0) & (ids < N)
+    if HAS_LEN:
+        ok &= slot < tl.load(LEN + t_lo + tok, mask=ok, other=0)
+    tl.store(KEYS + e, tl.where(ok, ids, N).to(KEYS.dtype.element_ty), mask=e < n)
+
 
 @triton.jit(do_not_specialize=["H", "stride_gt"])
 def _bwd_delta_kernel(
@@ -259,29 +284,39 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         # (int64 keys: 8 passes, int16: 2).
         key_dtype = torch.int16 if N < 2**15 - 1 else torch.int32 if N < 2**31 - 1 else torch.int64
         rows = torch.arange(N + 1, device=dev, dtype=key_dtype)
-        slots = torch.arange(K, device=dev)[None, :]
+        n_chunks = triton.cdiv(T, chunk)
+        group = max(1, min(n_chunks, SORT_ENTRIES // max(1, chunk * K)))  # chunks a sort
+        n_flags = main.flags_per_chunk(chunk, n_hb)
+        lengths = topk_length if topk_length is not None else indices
         # 256 columns a program, the last block masked where D is not a multiple (576: three
         # programs a row; the 64-column programs of gcd(576, 256) left the fold with a
         # quarter of the loads in flight and nine reads of each entry's position)
         block_d = min(256, next_pow2(D))
         rows_per_program, unroll, fold_warps = fold_tile(N, n_sm)
-        for t0 in range(0, T, chunk):
-            n_tok = min(chunk, T - t0)
-            launch(t0, n_tok, partial, new_flags(n_tok))
-            # Invert the chunk's ids: entries sorted by kv row (stable: fixed order).
-            ids = indices[t0:t0 + n_tok]
-            valid = (ids >= 0) & (ids < N)
-            if topk_length is not None:  # slots past a token's length: no partial row was written
-                valid &= slots < topk_length[t0:t0 + n_tok, None]
-            ids = torch.where(valid, ids, N).reshape(-1).to(key_dtype)
-            sorted_ids, order = torch.sort(ids, stable=True)
-            seg = torch.searchsorted(sorted_ids, rows)
-            _dkv_reduce_kernel[(triton.cdiv(N, rows_per_program), triton.cdiv(D, block_d))](
-                partial, order, seg, acc, K, k_stride, N,
-                D=D, BLOCK_D=block_d, N_HB=n_part, MASK_D=D % block_d != 0, ROWS=rows_per_program,
-                UNROLL=unroll,
-                num_warps=fold_warps,
-            )
+        for c0 in range(0, n_chunks, group):
+            g = min(group, n_chunks - c0)
+            # Invert these chunks' ids: each chunk's entries sorted by kv row (stable: a
+            # fixed order), the entries that add nothing (slots past a length too: they
+            # have no partial row) keyed N, after every row.
+            t_lo, n = c0 * chunk, g * chunk * K
+            keys = torch.empty((g, chunk * K), dtype=key_dtype, device=dev)
+            if n:
+                _sort_keys_kernel[(triton.cdiv(n, 1024),)](
+                    indices, lengths, keys, t_lo, min(T, t_lo + g * chunk) - t_lo, K, indices.stride(0), N, n,
+                    HAS_LEN=topk_length is not None, BLOCK=1024, num_warps=4)
+            sorted_ids, order = torch.sort(keys, dim=-1, stable=True)
+            seg = torch.searchsorted(sorted_ids, rows.expand(g, N + 1).contiguous())
+            flags = torch.zeros((g, n_flags), dtype=torch.int32, device=dev) if n_flags else None
+            for c in range(g):
+                t0 = t_lo + c * chunk
+                n_tok = min(chunk, T - t0)
+                launch(t0, n_tok, partial, flags[c] if flags is not None else None)
+                _dkv_reduce_kernel[(triton.cdiv(N, rows_per_program), triton.cdiv(D, block_d))](
+                    partial, order[c], seg[c], acc, K, k_stride, N,
+                    D=D, BLOCK_D=block_d, N_HB=n_part, MASK_D=D % block_d != 0, ROWS=rows_per_program,
+                    UNROLL=unroll,
+                    num_warps=fold_warps,
+                )
 
     grad_kv = torch.empty((N, D), dtype=kv.dtype, device=dev)
     if N > 0:
