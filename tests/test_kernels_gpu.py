@@ -170,6 +170,16 @@ def test_gluon_backward_matches_reference(case, deterministic):
     check_backward(case, DEV, deterministic=deterministic, main=_gluon_bwd_or_skip(case.H))
 
 
+@pytest.mark.parametrize("case", GLUON_BWD_CASES + [Case(64, 128, 512, 300, 256, ids="shared")], ids=str)
+def test_gluon_backward_with_split_roles_matches_reference(monkeypatch, case):
+    """The fast mode with the blocks' roles split in time (``backward_gluon.SPLIT_ROLES``:
+    the owner of a block forms all its dKV rows while the other consumer computes the next
+    block's S and dP) against the float64 oracle, on the same cases as the default."""
+    main = _gluon_bwd_or_skip(case.H)
+    monkeypatch.setattr(main, "SPLIT_ROLES", True)
+    check_backward(case, DEV, deterministic=False, main=main)
+
+
 def test_backward_without_grad_lse():
     check_backward(Case(16, 64, 512, 200, 160, ids="deepseek"), DEV, with_dlse=False)
 

@@ -166,6 +166,19 @@ def test_gluon_backward_evict_last_option_compiles_for_sm90():
     assert r["evict_last_reductions"] > 0, r
 
 
+@pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])
+def test_gluon_backward_split_roles_compiles_for_sm90(has_len):
+    """The fast mode with the blocks' roles split in time (``launch(split=True)``): the same
+    budget as the shipped schedule, and a block's owner sends all its dKV rows (64 slots x
+    512 columns: 64 reductions a thread in its loop)."""
+    r = compile_backward_gluon(red=True, has_len=has_len, split=True)
+    assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
+    assert r["spill_bytes"] <= 1024, r
+    assert len(r["mma_loops"]) == 2, r["mma_loops"]
+    assert all(lp["LDL"] <= _reload_allowance(True, has_len) for lp in r["mma_loops"]), r["mma_loops"]
+    assert all(lp["REDG4"] == 64 for lp in r["mma_loops"]), r["mma_loops"]
+
+
 def _reload_allowance(red: bool, has_len: bool = False) -> int:
     """Spill reloads allowed in a block loop: none up to Triton 3.8. Triton 3.9's register
     allocation keeps more 64-bit address values alive across the loop (deterministic /

@@ -1,0 +1,77 @@
+"""The fast backward with the Gluon main kernel's blocks split in time
+(``launch(split=True)``: the owner of a block forms all of its dKV rows while the other
+consumer computes the next block's S and dP) against the shipped schedule (both consumers
+form half of every block's rows after the same hand-off), A, B, A, B in one process, next
+to the deterministic backward and cuDNN's.
+
+    PYTHONPATH=src:/tmp/cudnn_site python benchmarks/experiments/split_roles_bench.py [PEER_DIR]
+
+Prediction (docs/performance/backward.md#split-roles-in-the-fast-mode): 10-25% less time
+in the fast mode at T = 4096 (the softmax no longer leaves the tensor cores without an
+issuer, and a block's reductions spread over twice the time). Inputs as in
+``red_lines_bench.py`` (cuDNN's side-by-side ids); grad_kv and grad_q of both arms
+checked against the deterministic backward.
+"""
+import json
+import sys
+
+import torch
+import triton
+
+import dsv4_sparse_attn  # noqa: F401
+from dsv4_sparse_attn.kernels import backward as kbwd
+from dsv4_sparse_attn.kernels import backward_gluon
+from side_by_side import inputs, relerr  # (this directory)
+
+D = 512
+peer = sys.argv[1] if len(sys.argv) > 1 else None
+cudnn_peer = None
+if peer:
+    sys.path.insert(0, peer)
+    try:
+        import cudnn_peer
+    except Exception as e:  # noqa: BLE001
+        print("no cudnn peer:", e)
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+
+
+shapes = [(4096, 64, 640), (4096, 128, 1152), (4096, 128, 512), (4096, 16, 1152), (4096, 32, 1152),
+          (32768, 64, 640)]
+for T, H, K in shapes:
+    q, kv, idx, sink, do, out, lse = inputs(T, H, K, D)
+    scale = D ** -0.5
+    fl = 10 * T * H * K * D
+    r = dict(T=T, H=H, K=K)
+
+    def run(det, split=None):
+        opts = {} if det else dict(split=split)
+        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon,
+                                   deterministic=det, **opts)
+
+    ref = run(True)
+    r["det_ms"] = bench(lambda: run(True))
+    for name, split in (("shipped", False), ("split", True)):
+        got = run(False, split)
+        r[f"{name}_err_dkv"] = relerr(got[1].float(), ref[1].float())
+        r[f"{name}_err_dq"] = relerr(got[0].float(), ref[0].float())
+    for rep in range(2):  # A, B, A, B
+        for name, split in (("shipped", False), ("split", True)):
+            r[f"{name}_ms_{rep}"] = bench(lambda: run(False, split))
+    for name in ("shipped", "split"):
+        r[f"{name}_ms"] = min(r.pop(f"{name}_ms_0"), r.pop(f"{name}_ms_1"))
+    if cudnn_peer is not None:
+        try:
+            fc = cudnn_peer.make_bwd(q, kv, idx, sink, scale, out, lse, do)
+            fc()
+            r["cudnn_ms"] = bench(fc)
+        except Exception as e:  # noqa: BLE001
+            r["cudnn_error"] = str(e)[:200]
+    for k in list(r):
+        if k.endswith("_ms"):
+            r[k.replace("_ms", "_tflops")] = round(fl / r[k] / 1e9, 1)
+    print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+    q = kv = idx = do = out = lse = ref = None
+    torch.cuda.empty_cache()
