@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import dsv4_sparse_attn
-from kernel_checks import Case, check_backward, check_forward, make_case
+from kernel_checks import Case, check_backward, check_forward, make_case, make_lengths
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_triton, dispatch
 from dsv4_sparse_attn.kernels import forward_triton as kfwd
@@ -171,13 +171,29 @@ def test_gluon_backward_matches_reference(case, deterministic):
 
 
 @pytest.mark.parametrize("case", GLUON_BWD_CASES + [Case(64, 128, 512, 300, 256, ids="shared")], ids=str)
-def test_gluon_backward_with_split_roles_matches_reference(monkeypatch, case):
-    """The fast mode with the blocks' roles split in time (``backward_gluon.SPLIT_ROLES``:
-    the owner of a block forms all its dKV rows while the other consumer computes the next
-    block's S and dP) against the float64 oracle, on the same cases as the default."""
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+def test_gluon_backward_with_split_roles_matches_reference(monkeypatch, case, deterministic):
+    """The blocks' roles split in time (``backward_gluon.SPLIT_ROLES``: the owner of a block
+    forms all its dKV rows while the other consumer computes the next block's S and dP)
+    against the float64 oracle, on the same cases as the default schedule; the
+    deterministic mode also bitwise against the default schedule (the same products into
+    the same partial rows)."""
     main = _gluon_bwd_or_skip(case.H)
+    if deterministic:
+        q, kv, idx, sink = make_case(case, DEV)
+        length = make_lengths(case, DEV)
+        out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, case.D ** -0.5, topk_length=length)
+        do, dl = torch.randn_like(out), torch.randn_like(lse)
+
+        def run():
+            return kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, case.D ** -0.5, main=main,
+                                       topk_length=length)
+
+        shipped = run()
+        monkeypatch.setattr(main, "SPLIT_ROLES", True)
+        assert all(torch.equal(a, b) for a, b in zip(shipped, run()))
     monkeypatch.setattr(main, "SPLIT_ROLES", True)
-    check_backward(case, DEV, deterministic=False, main=main)
+    check_backward(case, DEV, deterministic=deterministic, main=main)
 
 
 def test_backward_without_grad_lse():

@@ -167,16 +167,23 @@ def test_gluon_backward_evict_last_option_compiles_for_sm90():
 
 
 @pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])
-def test_gluon_backward_split_roles_compiles_for_sm90(has_len):
-    """The fast mode with the blocks' roles split in time (``launch(split=True)``): the same
-    budget as the shipped schedule, and a block's owner sends all its dKV rows (64 slots x
-    512 columns: 64 reductions a thread in its loop)."""
-    r = compile_backward_gluon(red=True, has_len=has_len, split=True)
+@pytest.mark.parametrize("red", [False, True], ids=["deterministic", "fast"])
+def test_gluon_backward_split_roles_compiles_for_sm90(red, has_len):
+    """Both modes with the blocks' roles split in time (``launch(split=True)``): no
+    serialisation and no reload in the block loops up to Triton 3.8, and a block's owner
+    sends all its dKV rows (64 slots x 512 columns: 64 16-byte reductions a thread in its
+    loop; in the deterministic mode also 128 stores, plain and streaming). Under 3.9 the
+    fast mode reloads as the shipped schedule does (4-6 a loop), the deterministic one
+    more (15-18 against 9-10: a ratchet until it is timed)."""
+    r = compile_backward_gluon(red=red, has_len=has_len, split=True)
     assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
     assert r["spill_bytes"] <= 1024, r
     assert len(r["mma_loops"]) == 2, r["mma_loops"]
-    assert all(lp["LDL"] <= _reload_allowance(True, has_len) for lp in r["mma_loops"]), r["mma_loops"]
+    allowance = _reload_allowance(red, has_len) if red or _reload_allowance(red) == 0 else 16 + 2 * has_len
+    assert all(lp["LDL"] <= allowance for lp in r["mma_loops"]), r["mma_loops"]
     assert all(lp["REDG4"] == 64 for lp in r["mma_loops"]), r["mma_loops"]
+    if not red:
+        assert all(lp["STG"] == 128 for lp in r["mma_loops"]), r["mma_loops"]
 
 
 def _reload_allowance(red: bool, has_len: bool = False) -> int:

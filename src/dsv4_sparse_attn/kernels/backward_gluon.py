@@ -61,10 +61,10 @@ RED_LINES = True
 # The fast mode's whole-line reductions with an L2 evict-last policy (off: an A/B option,
 # ``launch(evict_last=...)``, for accumulators larger than the L2; not yet measured).
 RED_EVICT_LAST = False
-# The fast mode's blocks with their roles split in time (``_consume_tile_split``): the owner
-# of a block also forms all of its dKV rows, while the other consumer computes the next
-# block's S and dP. Off until measured (``launch(split=...)``; D = 512 value columns, no
-# score-only columns).
+# The blocks' roles split in time (``_consume_tile_split``), both modes: the owner of a
+# block also forms all of its dKV rows, while the other consumer computes the next block's
+# S and dP. Off until measured (``launch(split=...)``; D = 512 value columns, no score-only
+# columns).
 SPLIT_ROLES = False
 _TRITON_38 = TRITON_VERSION >= (3, 8)
 _TRITON_39 = TRITON_VERSION >= (3, 9)
@@ -198,8 +198,8 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
         pid_h = tile % n_hb
         k_end, nb_t, g0 = _tile_blocks(LEN, t_begin + pid_c, K, nb, tcount, bcount, HAS_LEN)
         if SPLIT:
-            _consume_tile_split(io, sizes, strides, smem, scales, nb_t, g0, k_end, t_begin + pid_c, pid_h,
-                                tcount, WG, RED, EVICT_LAST)
+            _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
+                                pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, EVICT_LAST)
         else:
             _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
                           pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST)
@@ -208,17 +208,23 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
 
 
 @gluon.jit
-def _consume_tile_split(io, sizes, strides, smem, scales, nb_t, g0, k_end, pid_t, pid_h, tcount,
-                        WG: gl.constexpr, RED: gl.constexpr, EVICT_LAST: gl.constexpr):
-    """One (token, 64-head block) tile of consumer ``WG`` in the fast mode, the block's roles
-    split in time: the owner of block g (g % 2 == WG) computes S, dP, P and dS, both
-    consumers add dS KV to their halves of dQ, and then the owner forms all of the block's
-    dKV rows (8 pieces of 64 columns) and sends them, while the other consumer, the owner
-    of block g + 1, computes that block's S and dP. So the tensor cores have a second
-    issuer through each softmax, and a block's reductions come from one consumer spread
-    over the other's S and dP, not from both at once after the same hand-off (the
-    schedule of ``_consume_tile``). P and dS stay single-buffered: the owner of g + 1
-    stores its P and dS once the owner of g has read them for the last time."""
+def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb,
+                        tcount, paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr,
+                        EVICT_LAST: gl.constexpr):
+    """One (token, 64-head block) tile of consumer ``WG``, the block's roles split in time:
+    the owner of block g (g % 2 == WG) computes S, dP, P and dS, both consumers add dS KV
+    to their halves of dQ, and then the owner forms all of the block's dKV rows (8 pieces
+    of 64 columns) and sends them (reductions, or partial rows: ``RED``), while the other
+    consumer, the owner of block g + 1, computes that block's S and dP. So the tensor cores
+    have a second issuer through each softmax, and a block's dKV traffic comes from one
+    consumer spread over the other's S and dP, not from both at once after the same
+    hand-off (the schedule of ``_consume_tile``). P and dS stay single-buffered: the owner
+    of g + 1 stores its P and dS once the owner of g has read them for the last time.
+
+    Head-block pairs (partial rows): as in ``_consume_tile``, but the counts are per block
+    parity, not per consumer: the blocks j of one parity are those one consumer of each
+    program owns, in order (a tile's first block's owner differs between the two programs
+    of a pair)."""
     IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
@@ -248,6 +254,16 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb_t, g0, k_end, pid_t
     dkv_zero = gl.zeros([_BK, 64], gl.float32, layout=s_l)
     dq0 = dq_zero
     dq1 = dq_zero
+    # head-block pairs (deterministic path): see _consume_tile
+    pairs = (paired != 0) & (RED < 3)
+    follower = pairs & (pid_h % 2 == 1)
+    leader = pairs & (pid_h % 2 == 0)
+    n_part = n_hb // (1 + paired)
+    part_t = pid_c.to(gl.int32) * n_part + pid_h // (1 + paired)
+    slot0 = part_t * nb * _BK + offs_ks  # my slots' partial rows in the tile's first block
+    flag_base = FLAGS + 1 + part_t * 2  # + block parity: the leader's published blocks
+    done_base = flag_base + n_tiles  # + block parity: the follower's added blocks
+    pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
     for jj in range(0, nb_t):
@@ -295,20 +311,39 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb_t, g0, k_end, pid_t
             # All of the block's dKV rows: P^T dO + dS^T Q, 64 columns at a time, each piece
             # sent while the next one's wgmma runs.
             offs_kz = _row_pair(offs_ks + z)
-            ids_k = load_ids(idx_row, j * _BK, k_end, offs_kz).to(gl.int64)
-            valid_k = (ids_k >= 0) & (ids_k < N)
-            row_ptr = ACC + gl.where(valid_k, ids_k, 0) * D  # (masked slots add nothing)
-            on = valid_k.to(gl.int32)
+            if RED:
+                ids_k = load_ids(idx_row, j * _BK, k_end, offs_kz).to(gl.int64)
+                valid_k = (ids_k >= 0) & (ids_k < N)
+                row_ptr = ACC + gl.where(valid_k, ids_k, 0) * D  # (masked slots add nothing)
+                on = valid_k.to(gl.int32)
+            else:  # (see _consume_tile)
+                on = offs_kz
+                row_ptr = PARTIAL + _row_pair(slot0 + (j ^ z) * _BK).to(gl.int64) * D
             acc = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, z, 0, dkv_zero)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, z, 1, dkv_zero)
+            if follower:  # the leader's rows of this block must be in place before I add to them
+                while gl.atomic_add(flag_base + j % 2, 0, sem="acquire", scope="gpu") <= j // 2:
+                    pass
+            if pace:  # no more than _LAG blocks ahead of the follower's adds
+                back = j - 1 - _LAG
+                if back >= 0:
+                    while gl.atomic_add(done_base + back % 2, 0, sem="relaxed", scope="gpu") <= back // 2:
+                        pass
             for i in gl.static_range(1, 8):
-                nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, i // 2 + z, i % 2,
-                                 dkv_zero)
-                _send_piece(row_ptr + (((i - 1) // 2) * _QD + ((i - 1) % 2) * 64), offs_dd, acc, on, False, 0,
-                            RED, EVICT_LAST)
+                if i > 1:
+                    nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, i // 2 + z, i % 2,
+                                     dkv_zero)
+                _send_piece(row_ptr + (((i - 1) // 2) * _QD + ((i - 1) % 2) * 64), offs_dd, acc, on, follower,
+                            paired, RED, EVICT_LAST)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
             mbarrier.arrive(bars.index(_PDS_FREE))  # P and dS read for the last time
-            _send_piece(row_ptr + (3 * _QD + 64), offs_dd, acc, on, False, 0, RED, EVICT_LAST)
+            _send_piece(row_ptr + (3 * _QD + 64), offs_dd, acc, on, follower, paired, RED, EVICT_LAST)
+            if leader:  # publish: every thread's stores of this block, then the count (release)
+                thread_barrier()
+                gl.atomic_add(flag_base + j % 2, 1, sem="release", scope="gpu")
+            if follower:  # (pacing only: no ordering needed)
+                gl.atomic_add(done_base + j % 2, 1, sem="relaxed", scope="gpu")
         else:
             mbarrier.arrive(bars.index(_PDS_FREE))  # (my dQ read dS for the last time)
 
@@ -636,7 +671,7 @@ def _bwd_main_gluon_kernel(
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
-    gl.static_assert(not SPLIT or (RED > 0 and ROPE == 0), "split roles: the fast mode at D = 512")
+    gl.static_assert(not SPLIT or ROPE == 0, "split roles: D = 512 (no score-only columns)")
     dtype: gl.constexpr = Q.dtype.element_ty
     quarter_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, _QD], dtype)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, _BK], dtype)
@@ -766,7 +801,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         scale, scale_log2,
         D=grad_out.shape[-1], RED=red_mode(partial is not None, lines), HAS_LEN=topk_length is not None,
         EVICT_LAST=bool(RED_EVICT_LAST if evict_last is None else evict_last) and partial is None,
-        ROPE=rope, SPLIT=bool(SPLIT_ROLES if split is None else split) and partial is None and rope == 0,
+        ROPE=rope, SPLIT=bool(SPLIT_ROLES if split is None else split) and rope == 0,
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
 
