@@ -56,7 +56,8 @@ for T, H, K in shapes:
         got = run(False, split)
         r[f"{name}_err_dkv"] = relerr(got[1].float(), ref[1].float())
         r[f"{name}_err_dq"] = relerr(got[0].float(), ref[0].float())
-    arms = (("fast", False, False), ("fast_split", False, True), ("det", True, False), ("det_split", True, True))
+    arms = (("fast", False, False), ("fast_split", False, True),
+            ("det", True, False), ("det_split", True, True))
     for rep in range(2):  # A, B, A, B
         for name, det, split in arms:
             r[f"{name}_ms_{rep}"] = bench(lambda: run(det, split))
