@@ -210,7 +210,7 @@ def compile_forward_gluon(has_sink=True, run_ptxas=True, has_len=False, rope=0) 
 
 
 def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None, rope=0,
-                           evict_last=False, split=False) -> dict:
+                           evict_last=False, split=0) -> dict:
     """``red``: the fast mode (16-byte reductions, in whole lines unless ``lines`` is False;
     default: as the launcher does); else the deterministic partial rows."""
     from dsv4_sparse_attn.kernels import backward_gluon as G

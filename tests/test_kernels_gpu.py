@@ -172,9 +172,11 @@ def test_gluon_backward_matches_reference(case, deterministic):
 
 @pytest.mark.parametrize("case", GLUON_BWD_CASES + [Case(64, 128, 512, 300, 256, ids="shared")], ids=str)
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
-def test_gluon_backward_with_split_roles_matches_reference(monkeypatch, case, deterministic):
+@pytest.mark.parametrize("split", [1, 2], ids=["single", "double"])
+def test_gluon_backward_with_split_roles_matches_reference(monkeypatch, case, deterministic, split):
     """The blocks' roles split in time (``backward_gluon.SPLIT_ROLES``: the owner of a block
-    forms all its dKV rows while the other consumer computes the next block's S and dP)
+    forms all its dKV rows while the other consumer computes the next block's S and dP; P
+    and dS single- or double-buffered)
     against the float64 oracle, on the same cases as the default schedule; the
     deterministic mode also bitwise against the default schedule (the same products into
     the same partial rows)."""
@@ -190,9 +192,9 @@ def test_gluon_backward_with_split_roles_matches_reference(monkeypatch, case, de
                                        topk_length=length)
 
         shipped = run()
-        monkeypatch.setattr(main, "SPLIT_ROLES", True)
+        monkeypatch.setattr(main, "SPLIT_ROLES", split)
         assert all(torch.equal(a, b) for a, b in zip(shipped, run()))
-    monkeypatch.setattr(main, "SPLIT_ROLES", True)
+    monkeypatch.setattr(main, "SPLIT_ROLES", split)
     check_backward(case, DEV, deterministic=deterministic, main=main)
 
 

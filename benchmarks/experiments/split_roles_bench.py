@@ -1,6 +1,6 @@
-"""The backward with the Gluon main kernel's blocks split in time (``launch(split=True)``:
-the owner of a block forms all of its dKV rows while the other consumer computes the next
-block's S and dP) against the shipped schedule (both consumers form half of every block's
+"""The backward with the Gluon main kernel's blocks split in time (``launch(split=1)``: the
+owner of a block forms all of its dKV rows while the other consumer computes the next
+block's S and dP; ``split=2``: P and dS double-buffered) against the shipped schedule (both consumers form half of every block's
 rows after the same hand-off), both modes, A, B, A, B in one process, next to cuDNN's.
 
     PYTHONPATH=src:/tmp/cudnn_site python benchmarks/experiments/split_roles_bench.py [PEER_DIR]
@@ -50,14 +50,15 @@ for T, H, K in shapes:
         return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon,
                                    deterministic=det, split=split)
 
-    ref = run(True, False)
-    r["det_split_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(ref, run(True, True)))
-    for name, split in (("fast", False), ("fast_split", True)):
+    ref = run(True, 0)
+    for split in (1, 2):
+        r[f"det_split{split}_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(ref, run(True, split)))
+    for name, split in (("fast", 0), ("fast_split", 1), ("fast_split2", 2)):
         got = run(False, split)
         r[f"{name}_err_dkv"] = relerr(got[1].float(), ref[1].float())
         r[f"{name}_err_dq"] = relerr(got[0].float(), ref[0].float())
-    arms = (("fast", False, False), ("fast_split", False, True),
-            ("det", True, False), ("det_split", True, True))
+    arms = (("fast", False, 0), ("fast_split", False, 1), ("fast_split2", False, 2),
+            ("det", True, 0), ("det_split", True, 1), ("det_split2", True, 2))
     for rep in range(2):  # A, B, A, B
         for name, det, split in arms:
             r[f"{name}_ms_{rep}"] = bench(lambda: run(det, split))

@@ -63,9 +63,9 @@ RED_LINES = True
 RED_EVICT_LAST = False
 # The blocks' roles split in time (``_consume_tile_split``), both modes: the owner of a
 # block also forms all of its dKV rows, while the other consumer computes the next block's
-# S and dP. Off until measured (``launch(split=...)``; D = 512 value columns, no score-only
-# columns).
-SPLIT_ROLES = False
+# S and dP; 2: with P and dS double-buffered (16 KB more shared memory). Off (0) until
+# measured (``launch(split=...)``; D = 512 value columns, no score-only columns).
+SPLIT_ROLES = 0
 _TRITON_38 = TRITON_VERSION >= (3, 8)
 _TRITON_39 = TRITON_VERSION >= (3, 9)
 
@@ -78,7 +78,9 @@ _KV_FREE = gl.constexpr(4)  # + D half
 _PDS_READY = gl.constexpr(6)
 _PDS_FREE = gl.constexpr(7)
 _KVR_FREE = gl.constexpr(8)  # the kv block's score-only columns (ROPE), read by both consumers
-_N_BARS = gl.constexpr(9)
+_PDS2_READY = gl.constexpr(9)  # + P/dS buffer: SPLIT == 2 double-buffers P and dS
+_PDS2_FREE = gl.constexpr(11)  # + P/dS buffer
+_N_BARS = gl.constexpr(13)
 # How many slot blocks a pair's leader may run ahead of its follower's adds (see
 # _consume_tile). H200, T=4096, H=128: 0 (lockstep) -8.8% backward time against no pacing
 # at K=1152 and K=512, 1 -7.5%, 2 -4%, 4 -1%
@@ -199,7 +201,7 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
         k_end, nb_t, g0 = _tile_blocks(LEN, t_begin + pid_c, K, nb, tcount, bcount, HAS_LEN)
         if SPLIT:
             _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
-                                pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, EVICT_LAST)
+                                pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT)
         else:
             _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
                           pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST)
@@ -210,7 +212,7 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
 @gluon.jit
 def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb,
                         tcount, paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr,
-                        EVICT_LAST: gl.constexpr):
+                        EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG``, the block's roles split in time:
     the owner of block g (g % 2 == WG) computes S, dP, P and dS, both consumers add dS KV
     to their halves of dQ, and then the owner forms all of the block's dKV rows (8 pieces
@@ -218,8 +220,10 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     consumer, the owner of block g + 1, computes that block's S and dP. So the tensor cores
     have a second issuer through each softmax, and a block's dKV traffic comes from one
     consumer spread over the other's S and dP, not from both at once after the same
-    hand-off (the schedule of ``_consume_tile``). P and dS stay single-buffered: the owner
-    of g + 1 stores its P and dS once the owner of g has read them for the last time.
+    hand-off (the schedule of ``_consume_tile``). ``SPLIT`` 1: P and dS single-buffered,
+    the owner of g + 1 stores its P and dS once the owner of g has read them for the last
+    time; 2: double-buffered (block g in buffer g % 2, which is its owner's), so it need
+    not wait.
 
     Head-block pairs (partial rows): as in ``_consume_tile``, but the counts are per block
     parity, not per consumer: the blocks j of one parity are those one consumer of each
@@ -272,6 +276,16 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
         ph = g & 1
         z = j >> 31  # 0, unknown to the compiler (see _consume_tile)
         mine = g % 2 == WG
+        if SPLIT == 2:  # block g's P and dS in buffer g % 2, its barriers' phase per buffer
+            pb = (g & 1) + z
+            pph = (g >> 1) & 1
+            ready = bars.index(_PDS2_READY + (g & 1))
+            free = bars.index(_PDS2_FREE + (g & 1))
+        else:
+            pb = z
+            pph = ph
+            ready = bars.index(_PDS_READY)
+            free = bars.index(_PDS_FREE)
         if mine:  # my block: S, dP, P and dS
             ids = load_ids(idx_row, j * _BK, k_end, offs_c)
             mbarrier.wait(bars.index(_KV_READY + 0), ph)
@@ -295,16 +309,16 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
             ds = p * (dp - delta[:, None]) * scale
             # The previous block's owner (the other consumer) forms its dKV rows from P and
             # dS while this S and dP run: store once it has read them for the last time.
-            mbarrier.wait(bars.index(_PDS_FREE), ph ^ 1)
-            p_smem.index(z).store(p.to(dtype))
-            ds_smem.index(z).store(ds.to(dtype))
+            mbarrier.wait(free, pph ^ 1)
+            p_smem.index(pb).store(p.to(dtype))
+            ds_smem.index(pb).store(ds.to(dtype))
             fence_async_shared()
-            mbarrier.arrive(bars.index(_PDS_READY))
+            mbarrier.arrive(ready)
 
-        mbarrier.wait(bars.index(_PDS_READY), ph)
+        mbarrier.wait(ready, pph)
         # dQ[:, my half] += dS KV[:, my half] (scale is folded into dS).
-        dq0 = warpgroup_mma(ds_smem.index(z), kv_smem.index(2 * WG + z), dq0, is_async=True)
-        dq1 = warpgroup_mma(ds_smem.index(z), kv_smem.index(2 * WG + 1 + z), dq1, is_async=True)
+        dq0 = warpgroup_mma(ds_smem.index(pb), kv_smem.index(2 * WG + z), dq0, is_async=True)
+        dq1 = warpgroup_mma(ds_smem.index(pb), kv_smem.index(2 * WG + 1 + z), dq1, is_async=True)
         dq0, dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, dq1))
         mbarrier.arrive(bars.index(_KV_FREE + WG))  # my kv half: the next block's gather may start
         if mine:
@@ -319,9 +333,9 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
             else:  # (see _consume_tile)
                 on = offs_kz
                 row_ptr = PARTIAL + _row_pair(slot0 + (j ^ z) * _BK).to(gl.int64) * D
-            acc = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, z, 0, dkv_zero)
+            acc = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 0, dkv_zero)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, z, 1, dkv_zero)
+            nxt = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 1, dkv_zero)
             if follower:  # the leader's rows of this block must be in place before I add to them
                 while gl.atomic_add(flag_base + j % 2, 0, sem="acquire", scope="gpu") <= j // 2:
                     pass
@@ -332,12 +346,12 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
                         pass
             for i in gl.static_range(1, 8):
                 if i > 1:
-                    nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, i // 2 + z, i % 2,
-                                     dkv_zero)
+                    nxt = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, i // 2 + z,
+                                     i % 2, dkv_zero)
                 _send_piece(row_ptr + (((i - 1) // 2) * _QD + ((i - 1) % 2) * 64), offs_dd, acc, on, follower,
                             paired, RED, EVICT_LAST)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
-            mbarrier.arrive(bars.index(_PDS_FREE))  # P and dS read for the last time
+            mbarrier.arrive(free)  # P and dS read for the last time
             _send_piece(row_ptr + (3 * _QD + 64), offs_dd, acc, on, follower, paired, RED, EVICT_LAST)
             if leader:  # publish: every thread's stores of this block, then the count (release)
                 thread_barrier()
@@ -345,7 +359,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
             if follower:  # (pacing only: no ordering needed)
                 gl.atomic_add(done_base + j % 2, 1, sem="relaxed", scope="gpu")
         else:
-            mbarrier.arrive(bars.index(_PDS_FREE))  # (my dQ read dS for the last time)
+            mbarrier.arrive(free)  # (my dQ read dS for the last time)
 
     mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
 
@@ -667,7 +681,7 @@ def _bwd_main_gluon_kernel(
     HAS_LEN: gl.constexpr,
     ROPE: gl.constexpr = 0,
     EVICT_LAST: gl.constexpr = False,
-    SPLIT: gl.constexpr = False,
+    SPLIT: gl.constexpr = 0,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
@@ -681,8 +695,8 @@ def _bwd_main_gluon_kernel(
     # P and dS carry a unit leading dim so the consumers address them as .index(z) (see
     # _consume_tile): hoisted out of the block loop, their descriptors were spilled, and
     # each block's first reload waited behind the previous block's dKV stores.
-    p_smem = gl.allocate_shared_memory(dtype, [1, _BH, _BK], p_sl)
-    ds_smem = gl.allocate_shared_memory(dtype, [1, _BH, _BK], p_sl)
+    p_smem = gl.allocate_shared_memory(dtype, [1 + (SPLIT == 2), _BH, _BK], p_sl)
+    ds_smem = gl.allocate_shared_memory(dtype, [1 + (SPLIT == 2), _BH, _BK], p_sl)
     if ROPE > 0:  # q's and the kv block's 64 score-only columns (16 KB: 229 KB in all)
         qr_smem = gl.allocate_shared_memory(dtype, [1, _BH, ROPE], p_sl)
         kvr_smem = gl.allocate_shared_memory(dtype, [1, _BK, ROPE], p_sl)
@@ -697,6 +711,10 @@ def _bwd_main_gluon_kernel(
         mbarrier.init(bars.index(_KV_FREE + i), count=1)
     mbarrier.init(bars.index(_PDS_READY), count=1)
     mbarrier.init(bars.index(_PDS_FREE), count=2)
+    if SPLIT == 2:
+        for i in gl.static_range(2):
+            mbarrier.init(bars.index(_PDS2_READY + i), count=1)
+            mbarrier.init(bars.index(_PDS2_FREE + i), count=2)
     mbarrier.init(bars.index(_KVR_FREE), count=2)
 
     nb = gl.cdiv(K, _BK)
@@ -801,7 +819,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         scale, scale_log2,
         D=grad_out.shape[-1], RED=red_mode(partial is not None, lines), HAS_LEN=topk_length is not None,
         EVICT_LAST=bool(RED_EVICT_LAST if evict_last is None else evict_last) and partial is None,
-        ROPE=rope, SPLIT=bool(SPLIT_ROLES if split is None else split) and rope == 0,
+        ROPE=rope, SPLIT=int(SPLIT_ROLES if split is None else split) if rope == 0 else 0,
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
 
