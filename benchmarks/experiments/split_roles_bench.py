@@ -1,7 +1,8 @@
 """The backward with the Gluon main kernel's blocks split in time (``launch(split=1)``: the
 owner of a block forms all of its dKV rows while the other consumer computes the next
-block's S and dP; ``split=2``: P and dS double-buffered) against the shipped schedule (both consumers form half of every block's
-rows after the same hand-off), both modes, A, B, A, B in one process, next to cuDNN's.
+block's S and dP; ``split=2``: P and dS double-buffered) against the shipped schedule
+(both consumers form half of every block's rows after the same hand-off), both modes, A,
+B, A, B in one process, next to cuDNN's.
 
     PYTHONPATH=src:/tmp/cudnn_site python benchmarks/experiments/split_roles_bench.py [PEER_DIR]
 
