@@ -10,7 +10,7 @@
 #                                          # examples (sharded over processes) and sanitize_case.py
 #                                          # under compute-sanitizer initcheck and memcheck
 #   bash benchmarks/gpu_session.sh features  # topk_length and the 576/512 layout (features_bench.py)
-#   bash benchmarks/gpu_session.sh experiments  # A/B: evict_last_bench.py, proto_ab.py
+#   bash benchmarks/gpu_session.sh experiments  # A/B: evict_last_bench.py, proto_ab.py, ...
 #   bash benchmarks/gpu_session.sh triton-next  # GPU kernel tests and a quick bench under the
 #                                          # Triton unpacked from .t39/triton*.tar.xz (a stripped
 #                                          # cp312 wheel: benchmarks/pack_triton.sh; another
@@ -173,8 +173,21 @@ features)
 experiments)
   # A/B runs of options that are off by default until measured (docs/performance/backward.md):
   # the L2 evict-last reductions, then the deterministic and 576/512 backward timings again
-  timeout 300 python3 benchmarks/experiments/evict_last_bench.py 2>&1 | tee "$OUT/evict_last.jsonl"
-  PROTO_AB_SHORT=1 timeout 240 python3 benchmarks/experiments/proto_ab.py 2>&1 | tee "$OUT/proto_ab.jsonl"
+  # (EXPERIMENTS: a subset, e.g. "evict_last det_sort"), the deterministic backward with
+  # one sort for several chunks against one a chunk, and the fast one with split roles
+  ex=${EXPERIMENTS:-evict_last proto_ab det_sort split}
+  [[ $ex == *evict_last* ]] && timeout 300 python3 benchmarks/experiments/evict_last_bench.py 2>&1 | tee "$OUT/evict_last.jsonl"
+  [[ $ex == *proto_ab* ]] && PROTO_AB_SHORT=1 timeout 240 python3 benchmarks/experiments/proto_ab.py 2>&1 | tee "$OUT/proto_ab.jsonl"
+  [[ $ex == *det_sort* ]] && PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 240 python3 \
+    benchmarks/experiments/det_sort_groups_bench.py 2>&1 | tee "$OUT/det_sort.jsonl"
+  if [[ $ex == *split* ]]; then  # next to cuDNN's backward when its kit is in .peers/cudnn_dsa
+    peer=()
+    if [ -f .peers/cudnn_dsa/install.sh ]; then
+      timeout 120 bash .peers/cudnn_dsa/install.sh > "$OUT/cudnn_install.log" 2>&1 && peer=(.peers/cudnn_dsa)
+    fi
+    PYTHONPATH=$PYTHONPATH:/tmp/cudnn_site timeout 300 python3 benchmarks/experiments/split_roles_bench.py \
+      ${peer[@]+"${peer[@]}"} 2>&1 | tee "$OUT/split_roles.jsonl"
+  fi
   ;;
 triton-next)
   # TRITON_NEXT_TAR: the folder of the packed Triton (benchmarks/pack_triton.sh), default .t39
@@ -202,6 +215,6 @@ triton-next)
   fi
   ;;
 *)
-  echo "usage: bash benchmarks/gpu_session.sh tests|bench|sweep|properties|sanitize-properties|features|triton-next" >&2; exit 2
+  echo "usage: bash benchmarks/gpu_session.sh tests|bench|sweep|properties|sanitize-properties|features|experiments|triton-next" >&2; exit 2
   ;;
 esac

@@ -210,12 +210,13 @@ def compile_forward_gluon(has_sink=True, run_ptxas=True, has_len=False, rope=0) 
 
 
 def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None, rope=0,
-                           evict_last=False) -> dict:
+                           evict_last=False, split=0) -> dict:
     """``red``: the fast mode (16-byte reductions, in whole lines unless ``lines`` is False;
     default: as the launcher does); else the deterministic partial rows."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
     from dsv4_sparse_attn.kernels import hopper
 
-    consts = dict(D=512, RED=G.red_mode(not red, lines), HAS_LEN=has_len, ROPE=rope, EVICT_LAST=evict_last)
+    consts = dict(D=512, RED=G.red_mode(not red, lines), HAS_LEN=has_len, ROPE=rope, EVICT_LAST=evict_last,
+                  SPLIT=split)
     return compile_sm90(G._bwd_main_gluon_kernel, BWD_TYPES, consts, hopper.NUM_WARPS, 1, BWD_DIV16,
                         run_ptxas, maxnreg=hopper.MAXNREG)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import dsv4_sparse_attn
-from kernel_checks import Case, check_backward, check_forward, make_case
+from kernel_checks import Case, check_backward, check_forward, make_case, make_lengths
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_triton, dispatch
 from dsv4_sparse_attn.kernels import forward_triton as kfwd
@@ -168,6 +168,35 @@ def _main(gluon: bool):
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
 def test_gluon_backward_matches_reference(case, deterministic):
     check_backward(case, DEV, deterministic=deterministic, main=_gluon_bwd_or_skip(case.H))
+
+
+@pytest.mark.parametrize("case", GLUON_BWD_CASES + [Case(64, 128, 512, 300, 256, ids="shared")], ids=str)
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize("split", [0, 1, 2], ids=["off", "single", "double"])
+def test_gluon_backward_with_split_roles_matches_reference(monkeypatch, case, deterministic, split):
+    """Each schedule of the blocks' roles, whatever the default of this Triton
+    (``backward_gluon.SPLIT_ROLES``, ``SPLIT_ROLES_DET``): 0 the owner hands P and dS over,
+    1 and 2 the owner forms all its dKV rows while the other consumer computes the next
+    block's S and dP, P and dS single- or double-buffered; against the float64 oracle, on
+    the same cases as the default schedule. The deterministic mode is also bitwise equal
+    across schedules (the same products into the same partial rows)."""
+    main = _gluon_bwd_or_skip(case.H)
+    if deterministic and split != main.SPLIT_ROLES_DET:
+        q, kv, idx, sink = make_case(case, DEV)
+        length = make_lengths(case, DEV)
+        out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, case.D ** -0.5, topk_length=length)
+        do, dl = torch.randn_like(out), torch.randn_like(lse)
+
+        def run():
+            return kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, case.D ** -0.5, main=main,
+                                       topk_length=length)
+
+        shipped = run()
+        monkeypatch.setattr(main, "SPLIT_ROLES_DET", split)
+        assert all(torch.equal(a, b) for a, b in zip(shipped, run()))
+    monkeypatch.setattr(main, "SPLIT_ROLES", split)
+    monkeypatch.setattr(main, "SPLIT_ROLES_DET", split)
+    check_backward(case, DEV, deterministic=deterministic, main=main)
 
 
 def test_backward_without_grad_lse():

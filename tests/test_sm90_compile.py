@@ -164,6 +164,31 @@ def test_gluon_backward_evict_last_option_compiles_for_sm90():
     assert r["evict_last_reductions"] > 0, r
 
 
+@pytest.mark.parametrize("split", [1, 2], ids=["single", "double"])
+@pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])
+@pytest.mark.parametrize("red", [False, True], ids=["deterministic", "fast"])
+def test_gluon_backward_split_roles_compiles_for_sm90(red, has_len, split):
+    """Both modes with the blocks' roles split in time (``launch(split=True)``): no
+    serialisation and no reload in the block loops up to Triton 3.8, and a block's owner
+    sends all its dKV rows (64 slots x 512 columns: 64 16-byte reductions a thread in its
+    loop; in the deterministic mode also 128 stores, plain and streaming), with P and dS
+    single- or double-buffered (``split`` 1 or 2). Under 3.9 the fast mode with one buffer
+    reloads as the shipped schedule does (4-6 a loop), the deterministic one more (15-18
+    against 9-10), and with two buffers (their indices computed at run time) 17-20 and 31:
+    a ratchet until they are timed."""
+    r = compile_backward_gluon(red=red, has_len=has_len, split=split)
+    assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
+    assert r["spill_bytes"] <= 1024, r
+    assert len(r["mma_loops"]) == 2, r["mma_loops"]
+    allowance = _reload_allowance(red, has_len)
+    if allowance and (split == 2 or not red):  # (Triton 3.9; runtime buffer indices with split 2)
+        allowance = {(1, False): 16, (2, True): 20, (2, False): 31}[split, red] + 2 * has_len
+    assert all(lp["LDL"] <= allowance for lp in r["mma_loops"]), r["mma_loops"]
+    assert all(lp["REDG4"] == 64 for lp in r["mma_loops"]), r["mma_loops"]
+    if not red:
+        assert all(lp["STG"] == 128 for lp in r["mma_loops"]), r["mma_loops"]
+
+
 def _reload_allowance(red: bool, has_len: bool = False) -> int:
     """Spill reloads allowed in a block loop: none up to Triton 3.8. Triton 3.9's register
     allocation keeps more 64-bit address values alive across the loop (deterministic /

@@ -61,7 +61,16 @@ RED_LINES = True
 # The fast mode's whole-line reductions with an L2 evict-last policy (off: an A/B option,
 # ``launch(evict_last=...)``, for accumulators larger than the L2; not yet measured).
 RED_EVICT_LAST = False
+# The blocks' roles split in time (``_consume_tile_split``), both modes: the owner of a
+# block also forms all of its dKV rows, while the other consumer computes the next block's
+# S and dP; 2: with P and dS double-buffered (16 KB more shared memory). D = 512 value
+# columns only (no score-only columns). Measured on the H200 under Triton 3.6
+# (docs/performance/backward.md#split-roles): fast mode 1-5% less time with 2, on by default
+# up to Triton 3.8 (3.9 reloads registers in it, not timed there); deterministic mode 2-3%
+# less at H <= 64 but 9-14% more at H = 128, off. ``launch(split=...)`` overrides both.
 _TRITON_39 = TRITON_VERSION >= (3, 9)
+SPLIT_ROLES = 0 if _TRITON_39 else 2
+SPLIT_ROLES_DET = 0
 
 
 # mbarrier slots
@@ -72,7 +81,9 @@ _KV_FREE = gl.constexpr(4)  # + D half
 _PDS_READY = gl.constexpr(6)
 _PDS_FREE = gl.constexpr(7)
 _KVR_FREE = gl.constexpr(8)  # the kv block's score-only columns (ROPE), read by both consumers
-_N_BARS = gl.constexpr(9)
+_PDS2_READY = gl.constexpr(9)  # + P/dS buffer: SPLIT == 2 double-buffers P and dS
+_PDS2_FREE = gl.constexpr(11)  # + P/dS buffer
+_N_BARS = gl.constexpr(13)
 # How many slot blocks a pair's leader may run ahead of its follower's adds (see
 # _consume_tile). H200, T=4096, H=128: 0 (lockstep) -8.8% backward time against no pacing
 # at K=1152 and K=512, 1 -7.5%, 2 -4%, 4 -1%
@@ -179,7 +190,7 @@ def _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN: gl.constexpr):
 
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr,
-              EVICT_LAST: gl.constexpr):
+              EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr):
     io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired = args
     H, N, K = sizes
     LEN = io[7]
@@ -191,10 +202,176 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
         pid_c = tile_token(ORDER, tile // n_hb, HAS_LEN)  # token within the chunk
         pid_h = tile % n_hb
         k_end, nb_t, g0 = _tile_blocks(LEN, t_begin + pid_c, K, nb, tcount, bcount, HAS_LEN)
-        _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c, pid_h,
-                      n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST)
+        if SPLIT:
+            _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
+                                pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT)
+        else:
+            _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
+                          pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST)
         tcount += 1
         bcount += nb_t
+
+
+@gluon.jit
+def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb,
+                        tcount, paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr,
+                        EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr):
+    """One (token, 64-head block) tile of consumer ``WG``, the block's roles split in time:
+    the owner of block g (g % 2 == WG) computes S, dP, P and dS, both consumers add dS KV
+    to their halves of dQ, and then the owner forms all of the block's dKV rows (8 pieces
+    of 64 columns) and sends them (reductions, or partial rows: ``RED``), while the other
+    consumer, the owner of block g + 1, computes that block's S and dP. So the tensor cores
+    have a second issuer through each softmax, and a block's dKV traffic comes from one
+    consumer spread over the other's S and dP, not from both at once after the same
+    hand-off (the schedule of ``_consume_tile``). ``SPLIT`` 1: P and dS single-buffered,
+    the owner of g + 1 stores its P and dS once the owner of g has read them for the last
+    time; 2: double-buffered (block g in buffer g % 2, which is its owner's), so it need
+    not wait.
+
+    Head-block pairs (partial rows): as in ``_consume_tile``, but the counts are per block
+    parity, not per consumer: the blocks j of one parity are those one consumer of each
+    program owns, in order (a tile's first block's owner differs between the two programs
+    of a pair)."""
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR = io
+    H, N, K = sizes
+    stride_it, stride_lt, stride_gt, stride_gh = strides
+    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
+    scale, scale_log2 = scales
+    D: gl.constexpr = 4 * _QD
+    dtype: gl.constexpr = q_smem.dtype
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, _BK, 16])
+    dq_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                   instr_shape=[16, _QD, 16])
+    row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+    col_l: gl.constexpr = gl.SliceLayout(0, s_l)
+
+    h_row = pid_h * _BH + gl.arange(0, _BH, layout=row_l)
+    h_ok = h_row < H
+    lse = gl.load(LSE + pid_t * stride_lt + h_row, mask=h_ok, other=float("-inf"))
+    row_ok = h_ok & (lse != float("-inf"))
+    lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    delta = gl.load(DELTA + pid_t * H + h_row, mask=h_ok, other=0.0)
+    offs_c = gl.arange(0, _BK, layout=col_l)
+    offs_dd = gl.arange(0, 64, layout=col_l)
+    offs_ks = gl.arange(0, _BK, layout=row_l)
+    idx_row = IDX + pid_t * stride_it
+    s_zero = gl.zeros([_BH, _BK], gl.float32, layout=s_l)
+    dq_zero = gl.zeros([_BH, _QD], gl.float32, layout=dq_l)
+    dkv_zero = gl.zeros([_BK, 64], gl.float32, layout=s_l)
+    dq0 = dq_zero
+    dq1 = dq_zero
+    # head-block pairs (deterministic path): see _consume_tile
+    pairs = (paired != 0) & (RED < 3)
+    follower = pairs & (pid_h % 2 == 1)
+    leader = pairs & (pid_h % 2 == 0)
+    n_part = n_hb // (1 + paired)
+    part_t = pid_c.to(gl.int32) * n_part + pid_h // (1 + paired)
+    slot0 = part_t * nb * _BK + offs_ks  # my slots' partial rows in the tile's first block
+    flag_base = FLAGS + 1 + part_t * 2  # + block parity: the leader's published blocks
+    done_base = flag_base + n_tiles  # + block parity: the follower's added blocks
+    pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
+
+    mbarrier.wait(bars.index(_QD_READY), tcount & 1)
+    for jj in range(0, nb_t):
+        j = _opaque(jj)  # (as in _consume_tile: the loop carries only its counter)
+        g = g0 + j
+        ph = g & 1
+        z = j >> 31  # 0, unknown to the compiler (see _consume_tile)
+        mine = g % 2 == WG
+        if SPLIT == 2:  # block g's P and dS in buffer g % 2, its barriers' phase per buffer
+            pb = (g & 1) + z
+            pph = (g >> 1) & 1
+            ready = bars.index(_PDS2_READY + (g & 1))
+            free = bars.index(_PDS2_FREE + (g & 1))
+        else:
+            pb = z
+            pph = ph
+            ready = bars.index(_PDS_READY)
+            free = bars.index(_PDS_FREE)
+        if mine:  # my block: S, dP, P and dS
+            ids = load_ids(idx_row, j * _BK, k_end, offs_c)
+            mbarrier.wait(bars.index(_KV_READY + 0), ph)
+            fence_async_shared()
+            s = warpgroup_mma(q_smem.index(z), kv_smem.index(z).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+            dp = warpgroup_mma(do_smem.index(z), kv_smem.index(z).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+            s = warpgroup_mma(q_smem.index(z + 1), kv_smem.index(z + 1).permute((1, 0)), s, is_async=True)
+            dp = warpgroup_mma(do_smem.index(z + 1), kv_smem.index(z + 1).permute((1, 0)), dp, is_async=True)
+            mbarrier.wait(bars.index(_KV_READY + 1), ph)
+            fence_async_shared()
+            s = warpgroup_mma(q_smem.index(z + 2), kv_smem.index(z + 2).permute((1, 0)), s, is_async=True)
+            dp = warpgroup_mma(do_smem.index(z + 2), kv_smem.index(z + 2).permute((1, 0)), dp, is_async=True)
+            s = warpgroup_mma(q_smem.index(z + 3), kv_smem.index(z + 3).permute((1, 0)), s, is_async=True)
+            dp = warpgroup_mma(do_smem.index(z + 3), kv_smem.index(z + 3).permute((1, 0)), dp, is_async=True)
+            s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+            valid = (ids >= 0) & (ids < N)
+            p = gl.exp2(s * scale_log2 - lse2[:, None])
+            p = gl.where(row_ok[:, None] & valid[None, :], p, 0.0)
+            ds = p * (dp - delta[:, None]) * scale
+            # The previous block's owner (the other consumer) forms its dKV rows from P and
+            # dS while this S and dP run: store once it has read them for the last time.
+            mbarrier.wait(free, pph ^ 1)
+            p_smem.index(pb).store(p.to(dtype))
+            ds_smem.index(pb).store(ds.to(dtype))
+            fence_async_shared()
+            mbarrier.arrive(ready)
+
+        mbarrier.wait(ready, pph)
+        # dQ[:, my half] += dS KV[:, my half] (scale is folded into dS).
+        dq0 = warpgroup_mma(ds_smem.index(pb), kv_smem.index(2 * WG + z), dq0, is_async=True)
+        dq1 = warpgroup_mma(ds_smem.index(pb), kv_smem.index(2 * WG + 1 + z), dq1, is_async=True)
+        dq0, dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, dq1))
+        mbarrier.arrive(bars.index(_KV_FREE + WG))  # my kv half: the next block's gather may start
+        if mine:
+            # All of the block's dKV rows: P^T dO + dS^T Q, 64 columns at a time, each piece
+            # sent while the next one's wgmma runs.
+            offs_kz = _row_pair(offs_ks + z)
+            if RED:
+                ids_k = load_ids(idx_row, j * _BK, k_end, offs_kz).to(gl.int64)
+                valid_k = (ids_k >= 0) & (ids_k < N)
+                row_ptr = ACC + gl.where(valid_k, ids_k, 0) * D  # (masked slots add nothing)
+                on = valid_k.to(gl.int32)
+            else:  # (see _consume_tile)
+                on = offs_kz
+                row_ptr = PARTIAL + _row_pair(slot0 + (j ^ z) * _BK).to(gl.int64) * D
+            acc = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 0, dkv_zero)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            nxt = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 1, dkv_zero)
+            if follower:  # the leader's rows of this block must be in place before I add to them
+                while gl.atomic_add(flag_base + j % 2, 0, sem="acquire", scope="gpu") <= j // 2:
+                    pass
+            if pace:  # no more than _LAG blocks ahead of the follower's adds
+                back = j - 1 - _LAG
+                if back >= 0:
+                    while gl.atomic_add(done_base + back % 2, 0, sem="relaxed", scope="gpu") <= back // 2:
+                        pass
+            for i in gl.static_range(1, 8):
+                if i > 1:
+                    nxt = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, i // 2 + z,
+                                     i % 2, dkv_zero)
+                _send_piece(row_ptr + (((i - 1) // 2) * _QD + ((i - 1) % 2) * 64), offs_dd, acc, on, follower,
+                            paired, RED, EVICT_LAST)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
+            mbarrier.arrive(free)  # P and dS read for the last time
+            _send_piece(row_ptr + (3 * _QD + 64), offs_dd, acc, on, follower, paired, RED, EVICT_LAST)
+            if leader:  # publish: every thread's stores of this block, then the count (release)
+                thread_barrier()
+                gl.atomic_add(flag_base + j % 2, 1, sem="release", scope="gpu")
+            if follower:  # (pacing only: no ordering needed)
+                gl.atomic_add(done_base + j % 2, 1, sem="relaxed", scope="gpu")
+        else:
+            mbarrier.arrive(free)  # (my dQ read dS for the last time)
+
+    mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
+
+    h_q = pid_h * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, dq_l))
+    d_q = WG * 2 * _QD + gl.arange(0, _QD, layout=gl.SliceLayout(0, dq_l))
+    dq_ptrs = DQ + pid_t * stride_gt + h_q[:, None].to(gl.int64) * stride_gh + d_q[None, :]
+    hq_ok = (h_q < H)[:, None]
+    gl.store(dq_ptrs, dq0.to(DQ.dtype.element_ty), mask=hq_ok)
+    gl.store(dq_ptrs + _QD, dq1.to(DQ.dtype.element_ty), mask=hq_ok)
 
 
 @gluon.jit
@@ -507,9 +684,11 @@ def _bwd_main_gluon_kernel(
     HAS_LEN: gl.constexpr,
     ROPE: gl.constexpr = 0,
     EVICT_LAST: gl.constexpr = False,
+    SPLIT: gl.constexpr = 0,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
+    gl.static_assert(not SPLIT or ROPE == 0, "split roles: D = 512 (no score-only columns)")
     dtype: gl.constexpr = Q.dtype.element_ty
     quarter_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, _QD], dtype)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, _BK], dtype)
@@ -519,8 +698,8 @@ def _bwd_main_gluon_kernel(
     # P and dS carry a unit leading dim so the consumers address them as .index(z) (see
     # _consume_tile): hoisted out of the block loop, their descriptors were spilled, and
     # each block's first reload waited behind the previous block's dKV stores.
-    p_smem = gl.allocate_shared_memory(dtype, [1, _BH, _BK], p_sl)
-    ds_smem = gl.allocate_shared_memory(dtype, [1, _BH, _BK], p_sl)
+    p_smem = gl.allocate_shared_memory(dtype, [1 + (SPLIT == 2), _BH, _BK], p_sl)
+    ds_smem = gl.allocate_shared_memory(dtype, [1 + (SPLIT == 2), _BH, _BK], p_sl)
     if ROPE > 0:  # q's and the kv block's 64 score-only columns (16 KB: 229 KB in all)
         qr_smem = gl.allocate_shared_memory(dtype, [1, _BH, ROPE], p_sl)
         kvr_smem = gl.allocate_shared_memory(dtype, [1, _BK, ROPE], p_sl)
@@ -535,6 +714,10 @@ def _bwd_main_gluon_kernel(
         mbarrier.init(bars.index(_KV_FREE + i), count=1)
     mbarrier.init(bars.index(_PDS_READY), count=1)
     mbarrier.init(bars.index(_PDS_FREE), count=2)
+    if SPLIT == 2:
+        for i in gl.static_range(2):
+            mbarrier.init(bars.index(_PDS2_READY + i), count=1)
+            mbarrier.init(bars.index(_PDS2_FREE + i), count=2)
     mbarrier.init(bars.index(_KVR_FREE), count=2)
 
     nb = gl.cdiv(K, _BK)
@@ -554,13 +737,13 @@ def _bwd_main_gluon_kernel(
     # consumers get setmaxnreg budgets).
     if ROPE > 0:
         gl.warp_specialize([(_producer_rope, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     else:
         gl.warp_specialize([(_producer, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
@@ -612,7 +795,7 @@ def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
 
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
-           scale_log2, paired, topk_length=None, lines=None, order=None, evict_last=None):
+           scale_log2, paired, topk_length=None, lines=None, order=None, evict_last=None, split=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -640,8 +823,15 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         scale, scale_log2,
         D=grad_out.shape[-1], RED=red_mode(partial is not None, lines), HAS_LEN=topk_length is not None,
         EVICT_LAST=bool(RED_EVICT_LAST if evict_last is None else evict_last) and partial is None,
-        ROPE=rope, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+        ROPE=rope, SPLIT=_split(partial is not None, split) if rope == 0 else 0,
+        num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
+
+
+def _split(deterministic: bool, split) -> int:
+    if split is None:
+        split = SPLIT_ROLES_DET if deterministic else SPLIT_ROLES
+    return int(split)
 
 
 def _programs(n_tiles: int, device, paired: bool) -> int:

@@ -1,0 +1,156 @@
+"""A model of the split schedule's barrier protocol (``backward_gluon._consume_tile_split``),
+run under random interleavings: two programs (a head-block pair's leader and follower,
+each with unpaired tiles before and after the pair's tile, so their tiles start at
+different block parities), each a producer and two consumers, mbarriers with parity waits,
+the deterministic mode's per-parity flags and the leader's pacing. It checks that no
+interleaving deadlocks and that every read sees the block it should (kv rows for S and dQ,
+P and dS for dQ and dKV, the leader's rows before the follower adds to them), with one
+P/dS buffer (``split=1``) or two (``split=2``); and that the check catches three broken
+variants (per-consumer flags, no follower wait, pacing one block too far).
+
+    python benchmarks/experiments/split_schedule_model.py     # prints the counts, exits 1 on failure
+
+A design check of the protocol as written down here, not of the kernel: the GPU tests
+(tests/test_kernels_gpu.py) run the kernel.
+"""
+import random
+import sys
+
+
+class Bar:
+    """An mbarrier: ``count`` arrivals complete a phase; wait(p) passes once phase parity p
+    has completed (a fresh barrier counts phase 1 as complete)."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.done = count, 0, 0
+
+    def arrive(self):
+        self.pending += 1
+        if self.pending == self.count:
+            self.pending, self.done = 0, self.done + 1
+
+    def ok(self, parity):
+        return (self.done & 1) != parity
+
+
+def program(role, nbs, split, shared, pair_tile, bug):
+    bars = dict(QD_READY=Bar(1), QD_FREE=Bar(2), KV_READY0=Bar(1), KV_READY1=Bar(1), KV_FREE0=Bar(1),
+                KV_FREE1=Bar(1), PDS_READY=Bar(1), PDS_FREE=Bar(2), R0=Bar(1), R1=Bar(1), F0=Bar(2),
+                F1=Bar(2))
+    st = dict(q=None, kv=[None, None], p=[None, None])
+    g0s, g = [], 0
+    for n in nbs:
+        g0s.append(g)
+        g += n
+
+    def producer():
+        for t, n in enumerate(nbs):
+            yield ("QD_FREE", (t & 1) ^ 1)
+            st["q"] = t
+            bars["QD_READY"].arrive()
+            for j in range(n):
+                g = g0s[t] + j
+                for h in range(2):
+                    yield (f"KV_FREE{h}", (g & 1) ^ 1)
+                    st["kv"][h] = g
+                    bars[f"KV_READY{h}"].arrive()
+
+    def consumer(wg):
+        fl, dn, rows = shared["flag"], shared["done"], shared["rows"]
+        for t, n in enumerate(nbs):
+            yield ("QD_READY", t & 1)
+            for j in range(n):
+                g = g0s[t] + j
+                mine = g % 2 == wg
+                if split == 2:
+                    pb, pph, ready, free = g & 1, (g >> 1) & 1, f"R{g & 1}", f"F{g & 1}"
+                else:
+                    pb, pph, ready, free = 0, g & 1, "PDS_READY", "PDS_FREE"
+                if mine:  # S and dP read both kv halves and q
+                    yield ("KV_READY0", g & 1)
+                    yield ("KV_READY1", g & 1)
+                    assert st["kv"] == [g, g] and st["q"] == t, ("S", g, st)
+                    yield ("step",)
+                    yield (free, pph ^ 1)
+                    st["p"][pb] = g
+                    bars[ready].arrive()
+                yield (ready, pph)
+                assert st["p"][pb] == g and st["kv"][wg] == g, ("dQ", g, st)
+                yield ("step",)
+                bars[f"KV_FREE{wg}"].arrive()
+                if mine:
+                    paired = t == pair_tile
+                    cls = wg if bug == "per-consumer flags" else j % 2
+                    if paired and role == "follower" and bug != "no follower wait":
+                        yield ("spin", lambda: fl[cls] > j // 2)
+                    if paired and role == "leader" and j >= 1:
+                        back = j - 1
+                        extra = 1 if bug == "pacing too far" else 0
+                        yield ("spin", lambda: dn[back % 2] > back // 2 + extra)
+                    for _ in range(3):  # the dKV pieces read P, dS, q and dO
+                        yield ("step",)
+                        assert st["p"][pb] == g and st["q"] == t, ("dKV", g, st)
+                    bars[free].arrive()
+                    if paired and role == "leader":
+                        rows[j] = "stored"
+                        yield ("step",)
+                        fl[cls] += 1
+                    elif paired:
+                        assert rows[j] == "stored", ("the follower adds before the leader stored", j)
+                        rows[j] = "added"
+                        dn[j % 2] += 1
+                else:
+                    bars[free].arrive()
+            bars["QD_FREE"].arrive()
+
+    def ready(w):
+        if w[0] == "step":
+            return True
+        if w[0] == "spin":
+            return w[1]()
+        return bars[w[0]].ok(w[1])
+
+    return [producer(), consumer(0), consumer(1)], ready
+
+
+def run(seed, split, bug=None):
+    rnd = random.Random(seed)
+    n_pair = rnd.randint(1, 7)
+    tiles = [[rnd.randint(0, 5) for _ in range(rnd.randint(0, 2))] for _ in range(2)]
+    after = [[rnd.randint(0, 5) for _ in range(rnd.randint(0, 1))] for _ in range(2)]
+    shared = dict(flag=[0, 0], done=[0, 0], rows=[None] * n_pair)
+    agents, ready = [], []
+    for role, pre, post in zip(("leader", "follower"), tiles, after):
+        a, r = program(role, pre + [n_pair] + post, split, shared, len(pre), bug)
+        agents += a
+        ready += [r] * 3
+    waiting, alive = [None] * 6, [True] * 6
+    while any(alive):
+        runnable = [i for i in range(6) if alive[i] and (waiting[i] is None or ready[i](waiting[i]))]
+        if not runnable:
+            return "deadlock"
+        i = rnd.choice(runnable)
+        try:
+            waiting[i] = next(agents[i])
+        except StopIteration:
+            alive[i] = False
+    return "ok" if all(r == "added" for r in shared["rows"]) else "rows not added"
+
+
+def failures(split, bug=None, seeds=3000):
+    out = 0
+    for seed in range(seeds):
+        try:
+            out += run(seed, split, bug) != "ok"
+        except AssertionError:
+            out += 1
+    return out
+
+
+if __name__ == "__main__":
+    good = {split: failures(split) for split in (1, 2)}
+    bugs = ("per-consumer flags", "no follower wait", "pacing too far")
+    caught = {bug: failures(1, bug, 500) for bug in bugs}
+    print("interleavings failing, split 1 / 2:", good[1], "/", good[2], "of 3000 each")
+    print("broken variants, interleavings failing of 500:", caught)
+    sys.exit(0 if not any(good.values()) and all(caught.values()) else 1)
