@@ -18,7 +18,7 @@ pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform m
 mkdir "$work/u"; (cd "$work/u" && unzip -q "$work"/triton-"$V"-cp312-*.whl)
 t=$work/u/triton
 strip --strip-unneeded "$t/_C/libtriton.so"
-rm -rf "$t/_C/libproton.so" "$t/profiler" "$t/backends/amd/lib" "$t/backends/nvidia/include" \
+rm -rf "$t/_C/libproton.so" "$t/profiler" "$t/backends/amd/lib" \
        "$t/backends/nvidia/lib/cupti" "$t/backends/nvidia/lib/cupti-blackwell" \
        "$t/backends/nvidia/bin/nvdisasm"
 # the ptxas that this version calls for sm_90 (3.9: ptxas-blackwell; before: ptxas)
