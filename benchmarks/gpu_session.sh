@@ -203,14 +203,14 @@ triton-next)
   # in two calls); else the kernel tests and three rows of the table
   parts=${TRITON_NEXT_PARTS:-tests bench}
   if [ "${TRITON_NEXT_FULL:-0}" = 1 ]; then
-    [[ $parts == *tests* ]] && timeout ${TRITON_NEXT_TESTS_TIMEOUT:-360} python3 -m pytest -q -rs -n 6 -p no:cacheprovider tests/test_kernels_gpu.py tests/test_compile.py \
+    [[ $parts == *tests* ]] && timeout ${TRITON_NEXT_TESTS_TIMEOUT:-360} python3 -m pytest -q -rs -n ${TRITON_NEXT_JOBS:-12} -p no:cacheprovider tests/test_kernels_gpu.py tests/test_compile.py \
       tests/test_cuda_graphs.py tests/test_checkpointing.py tests/test_modules.py tests/test_export.py 2>&1 \
       | tail -15 | tee -a "$OUT/triton_next.log"
     [[ $parts == *tests* ]] && timeout 90 python3 opcheck/run_opcheck.py --device cuda 2>&1 | tail -3 | tee -a "$OUT/triton_next.log"
     [[ $parts == *bench* ]] && timeout ${TRITON_NEXT_BENCH_TIMEOUT:-300} python3 benchmarks/bench.py --no-torch --json "$OUT/bench_triton_next.json" 2>&1 \
       | grep -v '^{' | tail -16 | tee -a "$OUT/triton_next.log"
   else
-    timeout 300 python3 -m pytest -q -rs -n 6 -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 | tail -15 \
+    timeout 300 python3 -m pytest -q -rs -n ${TRITON_NEXT_JOBS:-12} -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 | tail -15 \
       | tee -a "$OUT/triton_next.log"
     timeout 200 python3 benchmarks/bench.py --shapes 0,1,5 --no-torch --json "$OUT/bench_triton_next.json" 2>&1 \
       | grep -v '^{' | tail -12 | tee -a "$OUT/triton_next.log"
