@@ -181,7 +181,9 @@ def test_gluon_backward_with_split_roles_matches_reference(monkeypatch, case, de
     the same cases as the default schedule. The deterministic mode is also bitwise equal
     across schedules (the same products into the same partial rows)."""
     main = _gluon_bwd_or_skip(case.H)
-    if deterministic and split != main.SPLIT_ROLES_DET:
+    if split == (main.SPLIT_ROLES_DET if deterministic else main.SPLIT_ROLES):
+        pytest.skip("this Triton's default schedule: test_gluon_backward_matches_reference runs it")
+    if deterministic:
         q, kv, idx, sink = make_case(case, DEV)
         length = make_lengths(case, DEV)
         out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, case.D ** -0.5, topk_length=length)
