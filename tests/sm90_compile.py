@@ -11,6 +11,7 @@ cannot measure fails (``MeasureError``): it never passes on missing numbers.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import re
@@ -81,6 +82,16 @@ def mma_loops(cubin: bytes) -> list[dict]:
             if not any(o is not lp and lp["start"] <= o["start"] and o["end"] <= lp["end"] for o in mma)]
 
 
+def ptx_fingerprint(ptx: str) -> str:
+    """A fingerprint of the code, for refactors that must leave it unchanged: the PTX
+    without its debug information (line info and the labels of debug scopes, which move
+    with the source lines and the inlined functions)."""
+    code = ptx.split(".section\t.debug", 1)[0]
+    debug = re.compile(r"\s*(\.loc\b|\.file\b|\$L__tmp\d+:$)")
+    code = "\n".join(ln for ln in code.splitlines() if not debug.match(ln))
+    return hashlib.sha256(code.encode()).hexdigest()[:16]
+
+
 def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stages: int,
                  div16=(), run_ptxas: bool = True, maxnreg: int | None = None) -> dict:
     """``types``: arg name -> Triton type ("*bf16", "i32", "fp32"); ints default to i32.
@@ -114,6 +125,7 @@ def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stag
         mma_loops=None,
         # reductions with an L2 cache policy operand (hopper.red_f32x4_lines(EVICT_LAST=True))
         evict_last_reductions=len(re.findall(r"red\.[\w.]*L2::cache_hint", ptx)),
+        ptx_sha=ptx_fingerprint(ptx),
     )  # (left None only when run_ptxas is off)
     if run_ptxas:
         ptxas = ptxas_for_sm90()

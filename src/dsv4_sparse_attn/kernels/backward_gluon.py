@@ -92,6 +92,12 @@ _LAG = gl.constexpr(0)
 _BH = gl.constexpr(BLOCK_H)
 _BK = gl.constexpr(BLOCK_K)
 _QD = gl.constexpr(128)  # D quarter: D = 512 only
+# The consumers' wgmma accumulator layouts: S, dP and the dKV pieces ([64, 64]), dQ
+# ([64, 128]: a D quarter).
+_S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                              instr_shape=[16, BLOCK_K, 16]))
+_DQ_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                               instr_shape=[16, 128, 16]))
 
 
 @gluon.jit
@@ -213,6 +219,49 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
 
 
 @gluon.jit
+def _head_rows(LSE, DELTA, H, pid_t, pid_h, stride_lt, row_l: gl.constexpr):
+    """The tile's 64 heads: ``row_ok``, lse in the log2 domain and Delta. Rows with lse =
+    -inf (no valid slot, no sink) and padding heads have P = 0; a NaN lse (a NaN sink)
+    gives NaN P, as in the reference (docs/design.md#non-finite-values)."""
+    h_row = pid_h * _BH + gl.arange(0, _BH, layout=row_l)
+    h_ok = h_row < H
+    lse = gl.load(LSE + pid_t * stride_lt + h_row, mask=h_ok, other=float("-inf"))
+    row_ok = h_ok & (lse != float("-inf"))
+    lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    delta = gl.load(DELTA + pid_t * H + h_row, mask=h_ok, other=0.0)
+    return row_ok, lse2, delta
+
+
+@gluon.jit
+def _scores(q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars, z, ph, ids, N, s_zero, scale, scale_log2,
+            lse2, row_ok, delta, ROPE: gl.constexpr):
+    """A block's S = q kv^T and dP = dO kv^T (each kv half as soon as it has landed), then
+    P and dS (scale folded in); masked slots (ids out of [0, N)) have P = 0."""
+    mbarrier.wait(bars.index(_KV_READY + 0), ph)
+    fence_async_shared()
+    s = warpgroup_mma(q_smem.index(z), kv_smem.index(z).permute((1, 0)), s_zero, use_acc=False,
+                      is_async=True)
+    dp = warpgroup_mma(do_smem.index(z), kv_smem.index(z).permute((1, 0)), s_zero, use_acc=False,
+                       is_async=True)
+    s = warpgroup_mma(q_smem.index(z + 1), kv_smem.index(z + 1).permute((1, 0)), s, is_async=True)
+    dp = warpgroup_mma(do_smem.index(z + 1), kv_smem.index(z + 1).permute((1, 0)), dp, is_async=True)
+    mbarrier.wait(bars.index(_KV_READY + 1), ph)
+    fence_async_shared()
+    s = warpgroup_mma(q_smem.index(z + 2), kv_smem.index(z + 2).permute((1, 0)), s, is_async=True)
+    dp = warpgroup_mma(do_smem.index(z + 2), kv_smem.index(z + 2).permute((1, 0)), dp, is_async=True)
+    s = warpgroup_mma(q_smem.index(z + 3), kv_smem.index(z + 3).permute((1, 0)), s, is_async=True)
+    dp = warpgroup_mma(do_smem.index(z + 3), kv_smem.index(z + 3).permute((1, 0)), dp, is_async=True)
+    if ROPE > 0:  # the score-only columns: S only
+        s = warpgroup_mma(qr_smem.index(z), kvr_smem.index(z).permute((1, 0)), s, is_async=True)
+    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+    valid = (ids >= 0) & (ids < N)
+    p = gl.exp2(s * scale_log2 - lse2[:, None])
+    p = gl.where(row_ok[:, None] & valid[None, :], p, 0.0)
+    ds = p * (dp - delta[:, None]) * scale
+    return p, ds
+
+
+@gluon.jit
 def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb,
                         tcount, paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr,
                         EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr):
@@ -239,19 +288,12 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     scale, scale_log2 = scales
     D: gl.constexpr = 4 * _QD
     dtype: gl.constexpr = q_smem.dtype
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, _BK, 16])
-    dq_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                   instr_shape=[16, _QD, 16])
+    s_l: gl.constexpr = _S_L
+    dq_l: gl.constexpr = _DQ_L
     row_l: gl.constexpr = gl.SliceLayout(1, s_l)
     col_l: gl.constexpr = gl.SliceLayout(0, s_l)
 
-    h_row = pid_h * _BH + gl.arange(0, _BH, layout=row_l)
-    h_ok = h_row < H
-    lse = gl.load(LSE + pid_t * stride_lt + h_row, mask=h_ok, other=float("-inf"))
-    row_ok = h_ok & (lse != float("-inf"))
-    lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
-    delta = gl.load(DELTA + pid_t * H + h_row, mask=h_ok, other=0.0)
+    row_ok, lse2, delta = _head_rows(LSE, DELTA, H, pid_t, pid_h, stride_lt, row_l)
     offs_c = gl.arange(0, _BK, layout=col_l)
     offs_dd = gl.arange(0, 64, layout=col_l)
     offs_ks = gl.arange(0, _BK, layout=row_l)
@@ -291,25 +333,8 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
             free = bars.index(_PDS_FREE)
         if mine:  # my block: S, dP, P and dS
             ids = load_ids(idx_row, j * _BK, k_end, offs_c)
-            mbarrier.wait(bars.index(_KV_READY + 0), ph)
-            fence_async_shared()
-            s = warpgroup_mma(q_smem.index(z), kv_smem.index(z).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-            dp = warpgroup_mma(do_smem.index(z), kv_smem.index(z).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)
-            s = warpgroup_mma(q_smem.index(z + 1), kv_smem.index(z + 1).permute((1, 0)), s, is_async=True)
-            dp = warpgroup_mma(do_smem.index(z + 1), kv_smem.index(z + 1).permute((1, 0)), dp, is_async=True)
-            mbarrier.wait(bars.index(_KV_READY + 1), ph)
-            fence_async_shared()
-            s = warpgroup_mma(q_smem.index(z + 2), kv_smem.index(z + 2).permute((1, 0)), s, is_async=True)
-            dp = warpgroup_mma(do_smem.index(z + 2), kv_smem.index(z + 2).permute((1, 0)), dp, is_async=True)
-            s = warpgroup_mma(q_smem.index(z + 3), kv_smem.index(z + 3).permute((1, 0)), s, is_async=True)
-            dp = warpgroup_mma(do_smem.index(z + 3), kv_smem.index(z + 3).permute((1, 0)), dp, is_async=True)
-            s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-            valid = (ids >= 0) & (ids < N)
-            p = gl.exp2(s * scale_log2 - lse2[:, None])
-            p = gl.where(row_ok[:, None] & valid[None, :], p, 0.0)
-            ds = p * (dp - delta[:, None]) * scale
+            p, ds = _scores(q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars, z, ph, ids, N, s_zero, scale,
+                            scale_log2, lse2, row_ok, delta, 0)
             # The previous block's owner (the other consumer) forms its dKV rows from P and
             # dS while this S and dP run: store once it has read them for the last time.
             mbarrier.wait(free, pph ^ 1)
@@ -440,10 +465,8 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     scale, scale_log2 = scales
     D: gl.constexpr = 4 * _QD + ROPE  # a dKV / partial row: the value columns, then the rope ones
     dtype: gl.constexpr = q_smem.dtype
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, _BK, 16])
-    dq_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                   instr_shape=[16, _QD, 16])
+    s_l: gl.constexpr = _S_L
+    dq_l: gl.constexpr = _DQ_L
     row_l: gl.constexpr = gl.SliceLayout(1, s_l)
     col_l: gl.constexpr = gl.SliceLayout(0, s_l)
     # A dKV piece is [_BK slots, 64 columns] with S's wgmma layout: each thread holds two
@@ -451,14 +474,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     dkv_k_l: gl.constexpr = gl.SliceLayout(1, s_l)
     dkv_d_l: gl.constexpr = gl.SliceLayout(0, s_l)
 
-    h_row = pid_h * _BH + gl.arange(0, _BH, layout=row_l)
-    h_ok = h_row < H
-    lse = gl.load(LSE + pid_t * stride_lt + h_row, mask=h_ok, other=float("-inf"))
-    # Rows with lse = -inf (no valid slot, no sink) and padding heads have P = 0; a NaN
-    # lse (a NaN sink) gives NaN P, as in the reference (docs/design.md#non-finite-values).
-    row_ok = h_ok & (lse != float("-inf"))
-    lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
-    delta = gl.load(DELTA + pid_t * H + h_row, mask=h_ok, other=0.0)
+    row_ok, lse2, delta = _head_rows(LSE, DELTA, H, pid_t, pid_h, stride_lt, row_l)
     offs_c = gl.arange(0, _BK, layout=col_l)
     offs_dd = gl.arange(0, 64, layout=dkv_d_l)
     offs_ks = gl.arange(0, _BK, layout=dkv_k_l)
@@ -537,27 +553,8 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         z = j >> 31
         if g % 2 == WG:  # my block: S, dP, P and dS
             ids = load_ids(idx_row, j * _BK, k_end, offs_c)  # (the bound: see the load of ids_k below)
-            mbarrier.wait(bars.index(_KV_READY + 0), ph)
-            fence_async_shared()
-            s = warpgroup_mma(q_smem.index(z), kv_smem.index(z).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-            dp = warpgroup_mma(do_smem.index(z), kv_smem.index(z).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)
-            s = warpgroup_mma(q_smem.index(z + 1), kv_smem.index(z + 1).permute((1, 0)), s, is_async=True)
-            dp = warpgroup_mma(do_smem.index(z + 1), kv_smem.index(z + 1).permute((1, 0)), dp, is_async=True)
-            mbarrier.wait(bars.index(_KV_READY + 1), ph)
-            fence_async_shared()
-            s = warpgroup_mma(q_smem.index(z + 2), kv_smem.index(z + 2).permute((1, 0)), s, is_async=True)
-            dp = warpgroup_mma(do_smem.index(z + 2), kv_smem.index(z + 2).permute((1, 0)), dp, is_async=True)
-            s = warpgroup_mma(q_smem.index(z + 3), kv_smem.index(z + 3).permute((1, 0)), s, is_async=True)
-            dp = warpgroup_mma(do_smem.index(z + 3), kv_smem.index(z + 3).permute((1, 0)), dp, is_async=True)
-            if ROPE > 0:  # the score-only columns: S only
-                s = warpgroup_mma(qr_smem.index(z), kvr_smem.index(z).permute((1, 0)), s, is_async=True)
-            s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-            valid = (ids >= 0) & (ids < N)
-            p = gl.exp2(s * scale_log2 - lse2[:, None])
-            p = gl.where(row_ok[:, None] & valid[None, :], p, 0.0)
-            ds = p * (dp - delta[:, None]) * scale
+            p, ds = _scores(q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars, z, ph, ids, N, s_zero, scale,
+                            scale_log2, lse2, row_ok, delta, ROPE)
             # (Unlike the Triton kernel, no mask on dS past the token's length: it cost 4-5
             # spill reloads per block under Triton 3.6. A slot there has P = 0 and a zero kv
             # row, so its dS is 0 unless Delta is not finite, and then every slot of the
