@@ -262,6 +262,42 @@ def _scores(q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars, z, ph, ids, N, s_
 
 
 @gluon.jit
+def _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED: gl.constexpr, D: gl.constexpr):
+    """Where block j's dKV rows go, a thread's two rows (``_row_pair``): the fast mode's
+    accumulator rows by id, with ``on`` 0 for a masked slot; else the tile's partial rows."""
+    if RED:
+        # (the bound was written k_end + z while j was LLVM's induction variable: Triton
+        # 3.9 turned the mask into per-element 64-bit bounds, hoisted out of the loop and
+        # spilled. With j opaque the plain bound is better there: 7 / 8 -> 6 / 7 reloads)
+        ids_k = load_ids(idx_row, j * _BK, k_end, offs_kz).to(gl.int64)
+        valid_k = (ids_k >= 0) & (ids_k < N)
+        # A masked slot adds nothing (its reductions are predicated off): no row is
+        # touched for it, so a NaN in an unselected row stays there. (Adding masked
+        # slots' zeros to a spare row instead made every masked slot of the grid
+        # contend for that one row: 46 ms instead of 8.7 at H128 K1152 with causal ids.)
+        row_ptr = ACC + gl.where(valid_k, ids_k, 0) * D
+        on = valid_k.to(gl.int32)
+    else:
+        on = offs_kz  # (unused on this path)
+        # (the buffer's slot dim is padded to whole blocks: stores need no mask)
+        # (j ^ z == j, but not an induction variable: LLVM would otherwise strength-reduce
+        # every store address into its own loop-carried pointer)
+        row_ptr = PARTIAL + _row_pair(slot0 + (j ^ z) * _BK).to(gl.int64) * D
+    return row_ptr, on
+
+
+@gluon.jit
+def _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG: gl.constexpr):
+    """Consumer WG's half of the tile's dQ value columns (two D quarters), in DQ's dtype."""
+    h_q = pid_h * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, _DQ_L))
+    d_q = WG * 2 * _QD + gl.arange(0, _QD, layout=gl.SliceLayout(0, _DQ_L))
+    dq_ptrs = DQ + pid_t * stride_gt + h_q[:, None].to(gl.int64) * stride_gh + d_q[None, :]
+    hq_ok = (h_q < H)[:, None]
+    gl.store(dq_ptrs, dq0.to(DQ.dtype.element_ty), mask=hq_ok)
+    gl.store(dq_ptrs + _QD, dq1.to(DQ.dtype.element_ty), mask=hq_ok)
+
+
+@gluon.jit
 def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb,
                         tcount, paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr,
                         EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr):
@@ -353,14 +389,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
             # All of the block's dKV rows: P^T dO + dS^T Q, 64 columns at a time, each piece
             # sent while the next one's wgmma runs.
             offs_kz = _row_pair(offs_ks + z)
-            if RED:
-                ids_k = load_ids(idx_row, j * _BK, k_end, offs_kz).to(gl.int64)
-                valid_k = (ids_k >= 0) & (ids_k < N)
-                row_ptr = ACC + gl.where(valid_k, ids_k, 0) * D  # (masked slots add nothing)
-                on = valid_k.to(gl.int32)
-            else:  # (see _consume_tile)
-                on = offs_kz
-                row_ptr = PARTIAL + _row_pair(slot0 + (j ^ z) * _BK).to(gl.int64) * D
+            row_ptr, on = _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED, D)
             acc = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 0, dkv_zero)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             nxt = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 1, dkv_zero)
@@ -391,12 +420,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
 
     mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
 
-    h_q = pid_h * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, dq_l))
-    d_q = WG * 2 * _QD + gl.arange(0, _QD, layout=gl.SliceLayout(0, dq_l))
-    dq_ptrs = DQ + pid_t * stride_gt + h_q[:, None].to(gl.int64) * stride_gh + d_q[None, :]
-    hq_ok = (h_q < H)[:, None]
-    gl.store(dq_ptrs, dq0.to(DQ.dtype.element_ty), mask=hq_ok)
-    gl.store(dq_ptrs + _QD, dq1.to(DQ.dtype.element_ty), mask=hq_ok)
+    _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
 
 
 @gluon.jit
@@ -587,24 +611,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         # (offsets built from z stay in the loop: hoisted, they would spill; the second row's
         # from the first's, in the loop too)
         offs_kz = _row_pair(offs_ks + z)
-        if RED:
-            # (the bound was written k_end + z while j was LLVM's induction variable: Triton
-            # 3.9 turned the mask into per-element 64-bit bounds, hoisted out of the loop and
-            # spilled. With j opaque the plain bound is better there: 7 / 8 -> 6 / 7 reloads)
-            ids_k = load_ids(idx_row, j * _BK, k_end, offs_kz).to(gl.int64)
-            valid_k = (ids_k >= 0) & (ids_k < N)
-            # A masked slot adds nothing (its reductions are predicated off): no row is
-            # touched for it, so a NaN in an unselected row stays there. (Adding masked
-            # slots' zeros to a spare row instead made every masked slot of the grid
-            # contend for that one row: 46 ms instead of 8.7 at H128 K1152 with causal ids.)
-            row_ptr = ACC + gl.where(valid_k, ids_k, 0) * D
-            on = valid_k.to(gl.int32)
-        else:
-            on = offs_kz  # (unused on this path)
-            # (the buffer's slot dim is padded to whole blocks: stores need no mask)
-            # (j ^ z == j, but not an induction variable: LLVM would otherwise strength-reduce
-            # every store address into its own loop-carried pointer)
-            row_ptr = PARTIAL + _row_pair(slot0 + (j ^ z) * _BK).to(gl.int64) * D
+        row_ptr, on = _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED, D)
         # Four 64-column pieces (32 registers each next to dQ's 128); each piece's adds
         # are issued while the next piece's wgmma runs.
         acc = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + z, 0, dkv_zero)
@@ -647,12 +654,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
 
     mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
 
-    h_q = pid_h * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, dq_l))
-    d_q = WG * 2 * _QD + gl.arange(0, _QD, layout=gl.SliceLayout(0, dq_l))
-    dq_ptrs = DQ + pid_t * stride_gt + h_q[:, None].to(gl.int64) * stride_gh + d_q[None, :]
-    hq_ok = (h_q < H)[:, None]
-    gl.store(dq_ptrs, dq0.to(DQ.dtype.element_ty), mask=hq_ok)
-    gl.store(dq_ptrs + _QD, dq1.to(DQ.dtype.element_ty), mask=hq_ok)
+    _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
     if ROPE > 0:  # my rope columns of dQ: taken from the scratch, which is left zero
         # (column c of the scratch row sits at fake_col(c); relaxed: the adds above are this
         # thread's own)
