@@ -11,6 +11,8 @@
 #                                          # under compute-sanitizer initcheck and memcheck
 #   bash benchmarks/gpu_session.sh features  # topk_length and the 576/512 layout (features_bench.py)
 #   bash benchmarks/gpu_session.sh experiments  # A/B: evict_last_bench.py, proto_ab.py, ...
+#   bash benchmarks/gpu_session.sh ncu-peer  # ncu stall profiles of the fast main kernel and
+#                                          # cuDNN's (benchmarks/experiments/ncu_peer.sh)
 #   bash benchmarks/gpu_session.sh triton-next  # GPU kernel tests and a quick bench under the
 #                                          # Triton unpacked from .t39/triton*.tar.xz (a stripped
 #                                          # cp312 wheel: benchmarks/pack_triton.sh; another
@@ -191,6 +193,11 @@ experiments)
       ${peer[@]+"${peer[@]}"} 2>&1 | tee "$OUT/split_roles.jsonl"
   fi
   ;;
+ncu-peer)
+  # Stall profiles of the fast main kernel and cuDNN's, one warm launch each (about 3 minutes)
+  timeout 120 bash .peers/cudnn_dsa/install.sh > "$OUT/cudnn_install.log" 2>&1 || { echo "no cuDNN peer kit"; exit 2; }
+  bash benchmarks/experiments/ncu_peer.sh
+  ;;
 triton-next)
   # TRITON_NEXT_TAR: the folder of the packed Triton (benchmarks/pack_triton.sh), default .t39
   tarball=$(ls ${TRITON_NEXT_TAR:-.t39}/triton*.tar.xz 2>/dev/null | head -1)
@@ -217,6 +224,6 @@ triton-next)
   fi
   ;;
 *)
-  echo "usage: bash benchmarks/gpu_session.sh tests|bench|sweep|properties|sanitize-properties|features|experiments|triton-next" >&2; exit 2
+  echo "usage: bash benchmarks/gpu_session.sh tests|bench|sweep|properties|sanitize-properties|features|experiments|ncu-peer|triton-next" >&2; exit 2
   ;;
 esac

@@ -59,7 +59,8 @@ ACC_FAKE_ORDER = True  # dKV rows (accumulator and partial rows) are in fake col
 # (docs/performance/backward.md#whole-lines-per-reduction).
 RED_LINES = True
 # The fast mode's whole-line reductions with an L2 evict-last policy (off: an A/B option,
-# ``launch(evict_last=...)``, for accumulators larger than the L2; not yet measured).
+# ``launch(evict_last=...)``, for accumulators larger than the L2; measured at T = 4096-131072:
+# no gain beyond the spread of the runs, docs/performance/backward.md).
 RED_EVICT_LAST = False
 # The blocks' roles split in time (``_consume_tile_split``), both modes: the owner of a
 # block also forms all of its dKV rows, while the other consumer computes the next block's
