@@ -194,7 +194,7 @@ experiments)
   fi
   ;;
 ncu-peer)
-  # Stall profiles of the fast main kernel and cuDNN's, one warm launch each (about 3 minutes)
+  # The fast backward next to cuDNN's: kernel times over a K sweep, then ncu stall profiles (about 5 minutes)
   timeout 120 bash .peers/cudnn_dsa/install.sh > "$OUT/cudnn_install.log" 2>&1 || { echo "no cuDNN peer kit"; exit 2; }
   bash benchmarks/experiments/ncu_peer.sh
   ;;

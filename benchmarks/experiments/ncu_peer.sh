@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Stall profile of the fast backward's main kernel and cuDNN's sm90 DSA main kernel, one warm
-# launch each, same inputs (ncu_peer.py). Needs the peer kit installed (gpu_session.sh does
-# it: .peers/cudnn_dsa/install.sh) and ncu on the PATH. Writes $OUT/ncu_<shape>_<kernel>.csv.
+# The fast backward next to cuDNN's sm90 DSA backward, same inputs (ncu_peer.py): every
+# kernel's time over a K sweep ($OUT/peer_kernels.jsonl), then ncu stall profiles of the two
+# main kernels, one warm launch each ($OUT/ncu_<shape>_<kernel>.csv). Needs the peer kit
+# installed (gpu_session.sh does it: .peers/cudnn_dsa/install.sh) and ncu on the PATH.
 #   bash benchmarks/experiments/ncu_peer.sh [T H K]...   (default: 4096 64 640 and 4096 128 1152)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -14,6 +15,9 @@ METRICS=$METRICS,gpu__time_duration.sum,sm__pipe_tensor_op_gmma_cycles_active.av
 METRICS=$METRICS,lts__t_sectors_op_red.sum,lts__t_requests_op_red.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed
 METRICS=$METRICS,l1tex__t_requests_pipe_lsu_mem_global_op_red.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active
 METRICS=$METRICS,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct
+# first every kernel's time over a K sweep, both backwards (no ncu)
+timeout 200 python3 benchmarks/experiments/ncu_peer.py "$PEER" --kernels > "$OUT/peer_kernels.jsonl" 2> "$OUT/peer_kernels.err"
+echo "kernels rc=$?"; tail -2 "$OUT/peer_kernels.err"
 [ $# -ge 3 ] || set -- 4096 64 640 4096 128 1152
 while [ $# -ge 3 ]; do
   T=$1 H=$2 K=$3; shift 3
