@@ -125,6 +125,8 @@ def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stag
         mma_loops=None,
         # reductions with an L2 cache policy operand (hopper.red_f32x4_lines(EVICT_LAST=True))
         evict_last_reductions=len(re.findall(r"red\.[\w.]*L2::cache_hint", ptx)),
+        # TMA tile loads (cp.async.bulk.tensor) in the PTX: q and dO with backward_gluon.QD_TMA
+        tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
         ptx_sha=ptx_fingerprint(ptx),
     )  # (left None only when run_ptxas is off)
     if run_ptxas:
@@ -222,7 +224,7 @@ def compile_forward_gluon(has_sink=True, run_ptxas=True, has_len=False, rope=0) 
 
 
 def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None, rope=0,
-                           evict_last=False, split=0) -> dict:
+                           evict_last=False, split=0, qd_tma=False) -> dict:
     """``red``: the fast mode (16-byte reductions, in whole lines unless ``lines`` is False;
     default: as the launcher does); else the deterministic partial rows."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
@@ -230,5 +232,12 @@ def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None,
 
     consts = dict(D=512, RED=G.red_mode(not red, lines), HAS_LEN=has_len, ROPE=rope, EVICT_LAST=evict_last,
                   SPLIT=split)
-    return compile_sm90(G._bwd_main_gluon_kernel, BWD_TYPES, consts, hopper.NUM_WARPS, 1, BWD_DIV16,
+    types = BWD_TYPES
+    if qd_tma:  # q and dO as [T * H, D] tensor descriptors of [64, 128] tiles (launch's _qd_descriptor)
+        from triton.experimental.gluon import language as gl
+        layout = gl.NVMMASharedLayout.get_default_for([G.BLOCK_H, 128], gl.bfloat16)
+        desc = f"tensordesc<bf16[{G.BLOCK_H}, 128],{layout!r}>"
+        types = {**BWD_TYPES, "Q": desc, "DO": desc}
+        consts["QD_TMA"] = True
+    return compile_sm90(G._bwd_main_gluon_kernel, types, consts, hopper.NUM_WARPS, 1, BWD_DIV16,
                         run_ptxas, maxnreg=hopper.MAXNREG)

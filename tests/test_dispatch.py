@@ -275,3 +275,19 @@ def test_python_m_report_lists_lengths_and_the_v32_layout(fresh, monkeypatch):
             assert " triton " in line and "gluon_sm90:" in line, line
     plain_576 = [line for line in lines if " 576 " in line[:32]]  # the D column, d_v = D
     assert len(plain_576) == 3 * 3 and all(" reference " in line for line in plain_576), plain_576
+
+
+def test_gluon_backward_loads_q_and_do_by_tma_only_where_the_heads_tile_exactly():
+    """``backward_gluon.QD_TMA`` views q and dO as [T * H, D] and loads [64, 128] tiles: a
+    tile's rows must be exactly its 64 heads of one token (H % 64 == 0, the token stride H
+    times the head stride, the last dim contiguous, 16-byte aligned); anything else keeps
+    the cp.async loads, which mask the heads."""
+    tiles = backward_gluon._tma_tiles
+    q = torch.zeros(3, 128, 512, dtype=torch.bfloat16)
+    assert tiles(q)
+    assert tiles(torch.zeros(3, 64, 2, 512, dtype=torch.bfloat16)[:, :, 0])  # strided heads, uniform rows
+    assert not tiles(torch.zeros(3, 32, 512, dtype=torch.bfloat16))  # H < 64: a tile spans tokens
+    assert not tiles(torch.zeros(3, 96, 512, dtype=torch.bfloat16))  # H % 64 != 0
+    assert not tiles(torch.zeros(3, 130, 512, dtype=torch.bfloat16)[:, :128])  # token stride != H x head
+    assert not tiles(torch.zeros(512, 128, 3, dtype=torch.bfloat16).permute(2, 1, 0))  # D not contiguous
+    assert not tiles(torch.zeros(3 * 128 * 512 + 1, dtype=torch.bfloat16)[1:].view(3, 128, 512))  # misaligned

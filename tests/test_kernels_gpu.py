@@ -201,6 +201,32 @@ def test_gluon_backward_with_split_roles_matches_reference(monkeypatch, case, de
     check_backward(case, DEV, deterministic=deterministic, main=main)
 
 
+@pytest.mark.parametrize("case", GLUON_BWD_CASES + [Case(64, 128, 512, 300, 256, ids="shared")], ids=str)
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+def test_gluon_backward_with_qd_tma_matches_reference(monkeypatch, case, deterministic):
+    """q and dO by TMA (``backward_gluon.QD_TMA``, where the heads tile exactly: H % 64 == 0;
+    other H keep cp.async): against the float64 oracle on the default schedule's cases, and
+    the deterministic mode bitwise equal to the cp.async loads (the same tiles in shared
+    memory, the same products)."""
+    main = _gluon_bwd_or_skip(case.H)
+    q, kv, idx, sink = make_case(case, DEV)
+    assert main._tma_tiles(q) == (case.H % 64 == 0)
+    if deterministic:
+        length = make_lengths(case, DEV)
+        out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, case.D ** -0.5, topk_length=length)
+        do, dl = torch.randn_like(out), torch.randn_like(lse)
+
+        def run():
+            return kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, case.D ** -0.5, main=main,
+                                       topk_length=length)
+
+        shipped = run()
+        monkeypatch.setattr(main, "QD_TMA", True)
+        assert all(torch.equal(a, b) for a, b in zip(shipped, run()))
+    monkeypatch.setattr(main, "QD_TMA", True)
+    check_backward(case, DEV, deterministic=deterministic, main=main)
+
+
 def test_backward_without_grad_lse():
     check_backward(Case(16, 64, 512, 200, 160, ids="deepseek"), DEV, with_dlse=False)
 

@@ -189,6 +189,24 @@ def test_gluon_backward_split_roles_compiles_for_sm90(red, has_len, split):
         assert all(lp["STG"] == 128 for lp in r["mma_loops"]), r["mma_loops"]
 
 
+@pytest.mark.parametrize("split", [0, 2], ids=["unsplit", "double"])
+@pytest.mark.parametrize("red", [False, True], ids=["deterministic", "fast"])
+def test_gluon_backward_qd_tma_compiles_for_sm90(red, split):
+    """q and dO by TMA (``backward_gluon.QD_TMA``): eight TMA instructions in the producer (a
+    [64, 128] tile is two 64-column boxes under the 128-byte swizzle, issued by two warps),
+    the consumers' block loops as with cp.async (the same wgmmas, reductions and stores, and
+    no more reloads), the same shared memory."""
+    base = compile_backward_gluon(red=red, split=split)
+    r = compile_backward_gluon(red=red, split=split, qd_tma=True)
+    assert base["tma_loads"] == 0 and r["tma_loads"] == 8, (base["tma_loads"], r["tma_loads"])
+    assert r["shared"] == base["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
+    assert r["spill_bytes"] <= base["spill_bytes"], (r["spill_bytes"], base["spill_bytes"])
+    assert len(r["mma_loops"]) == 2, r["mma_loops"]
+    for lp, lb in zip(r["mma_loops"], base["mma_loops"]):
+        assert (lp["HGMMA"], lp["REDG4"], lp["STG"]) == (lb["HGMMA"], lb["REDG4"], lb["STG"]), (lp, lb)
+        assert lp["LDL"] <= lb["LDL"], (lp, lb)
+
+
 def _reload_allowance(red: bool, has_len: bool = False) -> int:
     """Spill reloads allowed in a block loop: none up to Triton 3.8. Triton 3.9's register
     allocation keeps more 64-bit address values alive across the loop (deterministic /

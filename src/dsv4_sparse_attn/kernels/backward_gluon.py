@@ -45,11 +45,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .common import cuda_properties
-from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON_VERSION, async_load,
-                     balanced_order, fake_group_base, hopper_rejects, load_ids, red_f32x4_fake,
-                     red_f32x4_lines, st_f32x4_fake, thread_barrier, tile_token)
+from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON_VERSION, TensorDescriptor,
+                     async_load, balanced_order, fake_group_base, hopper_rejects, load_ids, red_f32x4_fake,
+                     red_f32x4_lines, st_f32x4_fake, thread_barrier, tile_token, tma_load)
 
 NAME = "gluon_sm90"
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 BLOCK_H = 64  # heads of a tile (fewer heads: the tile's other rows are masked)
 BLOCK_K = 64  # slots of a block: partial rows are padded to whole blocks
 ACC_FAKE_ORDER = True  # dKV rows (accumulator and partial rows) are in fake column order
@@ -72,6 +73,13 @@ RED_EVICT_LAST = False
 _TRITON_39 = TRITON_VERSION >= (3, 9)
 SPLIT_ROLES = 0 if _TRITON_39 else 2
 SPLIT_ROLES_DET = 0
+# q and dO by TMA (prototype, off; ``launch(qd_tma=...)``): the producer loads a tile's q and
+# dO as eight [64, 128] TMA tiles instead of 64 cp.async a thread, so that they do not
+# queue behind the last block's reductions in the SM's load/store path (cuDNN loads Q and
+# dO by TMA). Taken where a 2-D [T * H, D] view tiles the heads exactly: H % 64 == 0, the
+# last dim contiguous, the token stride H times the head stride, D = 512 without score-only
+# columns; else cp.async.
+QD_TMA = False
 
 
 # mbarrier slots
@@ -103,19 +111,26 @@ _DQ_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4,
 
 @gluon.jit
 def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 0)
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 0, False)
 
 
 @gluon.jit
 def _producer_rope(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 64)
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 64, False)
 
 
 @gluon.jit
-def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr, ROPE: gl.constexpr):
-    # (ROPE arrives as a literal from _producer / _producer_rope: a constexpr passed through
-    # warp_specialize's argument tuple reaches the partition as a plain value, and the rope
-    # code below then fails to lower when ROPE is 0)
+def _producer_qd_tma(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 0, True)
+
+
+@gluon.jit
+def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr, ROPE: gl.constexpr,
+             QD_TMA: gl.constexpr):
+    # (ROPE and QD_TMA arrive as literals from the _producer* wrappers: a constexpr passed
+    # through warp_specialize's argument tuple reaches the partition as a plain value, and
+    # the rope code below then fails to lower when ROPE is 0). QD_TMA: Q and DO are
+    # [T * H, D] tensor descriptors with [64, 128] blocks, not pointers.
     Q, DO, KV, IDX, LEN, ORDER = io
     H, N, K = sizes
     stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it = strides
@@ -137,19 +152,26 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
         # q and dO of this tile, once both consumers are done with the previous tile's
         # (a fresh mbarrier counts its phase "1" as complete: the first wait passes).
         mbarrier.wait(bars.index(_QD_FREE), (tcount & 1) ^ 1)
-        h = pid_h * _BH + offs_r  # _BH == _BK: the row offsets serve both
-        h_ok = (h < H)[:, None]
-        h64 = h[:, None].to(gl.int64)
-        q_ptrs = Q + pid_t * stride_qt + h64 * stride_qh + offs_d[None, :]
-        do_ptrs = DO + pid_t * stride_dt + h64 * stride_dh + offs_d[None, :]
-        for c in gl.static_range(4):
-            async_load(q_smem.index(c), q_ptrs + c * _QD, mask=h_ok)
-            async_load(do_smem.index(c), do_ptrs + c * _QD, mask=h_ok)
-        if ROPE > 0:
-            hr = pid_h * _BH + offs_rr
-            async_load(qr_smem.index(0), Q + pid_t * stride_qt + hr[:, None].to(gl.int64) * stride_qh
-                       + offs_rd[None, :], mask=(hr < H)[:, None])
-        cp.mbarrier_arrive(bars.index(_QD_READY), increment_count=False)
+        if QD_TMA:  # eight TMA tiles, counted in bytes on the barrier (H % 64 == 0)
+            row = (pid_t * H + pid_h * _BH).to(gl.int32)  # (TMA coordinates are 32-bit)
+            mbarrier.expect(bars.index(_QD_READY), 8 * _BH * _QD * q_smem.dtype.primitive_bitwidth // 8)
+            for c in gl.static_range(4):
+                tma_load(Q, [row, c * _QD], bars.index(_QD_READY), q_smem.index(c))
+                tma_load(DO, [row, c * _QD], bars.index(_QD_READY), do_smem.index(c))
+        else:
+            h = pid_h * _BH + offs_r  # _BH == _BK: the row offsets serve both
+            h_ok = (h < H)[:, None]
+            h64 = h[:, None].to(gl.int64)
+            q_ptrs = Q + pid_t * stride_qt + h64 * stride_qh + offs_d[None, :]
+            do_ptrs = DO + pid_t * stride_dt + h64 * stride_dh + offs_d[None, :]
+            for c in gl.static_range(4):
+                async_load(q_smem.index(c), q_ptrs + c * _QD, mask=h_ok)
+                async_load(do_smem.index(c), do_ptrs + c * _QD, mask=h_ok)
+            if ROPE > 0:
+                hr = pid_h * _BH + offs_rr
+                async_load(qr_smem.index(0), Q + pid_t * stride_qt + hr[:, None].to(gl.int64) * stride_qh
+                           + offs_rd[None, :], mask=(hr < H)[:, None])
+            cp.mbarrier_arrive(bars.index(_QD_READY), increment_count=False)
 
         idx_row = IDX + pid_t * stride_it
         ids = load_ids(idx_row, 0, k_end, offs_r)
@@ -685,11 +707,16 @@ def _bwd_main_gluon_kernel(
     ROPE: gl.constexpr = 0,
     EVICT_LAST: gl.constexpr = False,
     SPLIT: gl.constexpr = 0,
+    QD_TMA: gl.constexpr = False,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
     gl.static_assert(not SPLIT or ROPE == 0, "split roles: D = 512 (no score-only columns)")
-    dtype: gl.constexpr = Q.dtype.element_ty
+    gl.static_assert(not QD_TMA or ROPE == 0, "q and dO by TMA: D = 512 (no score-only columns)")
+    if QD_TMA:
+        dtype: gl.constexpr = Q.dtype
+    else:
+        dtype: gl.constexpr = Q.dtype.element_ty
     quarter_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, _QD], dtype)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, _BK], dtype)
     q_smem = gl.allocate_shared_memory(dtype, [4, _BH, _QD], quarter_sl)  # [D quarter]
@@ -707,7 +734,8 @@ def _bwd_main_gluon_kernel(
         qr_smem = p_smem
         kvr_smem = ds_smem
     bars = gl.allocate_shared_memory(gl.int64, [_N_BARS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bars.index(_QD_READY), count=128)  # cp.async arrivals of the producer's threads
+    # cp.async arrivals of the producer's threads, or the TMA tiles' expect
+    mbarrier.init(bars.index(_QD_READY), count=1 if QD_TMA else 128)
     mbarrier.init(bars.index(_QD_FREE), count=2)
     for i in gl.static_range(2):
         mbarrier.init(bars.index(_KV_READY + i), count=128)
@@ -737,6 +765,11 @@ def _bwd_main_gluon_kernel(
     # consumers get setmaxnreg budgets).
     if ROPE > 0:
         gl.warp_specialize([(_producer_rope, p_args),
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT))],
+                           [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
+    elif QD_TMA:
+        gl.warp_specialize([(_producer_qd_tma, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
@@ -795,7 +828,8 @@ def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
 
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
-           scale_log2, paired, topk_length=None, lines=None, order=None, evict_last=None, split=None):
+           scale_log2, paired, topk_length=None, lines=None, order=None, evict_last=None, split=None,
+           qd_tma=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -814,8 +848,10 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     rope = D - grad_out.shape[-1]
     # the programs' dQ scratch for the rope columns (zeros; the kernel leaves it zero)
     dqr = torch.zeros((grid, BLOCK_H, rope), dtype=torch.float32, device=q.device) if rope else acc
+    tma = (QD_TMA if qd_tma is None else qd_tma) and rope == 0 and _tma_tiles(q) and _tma_tiles(grad_out)
+    q_arg, do_arg = (_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out)
     _bwd_main_gluon_kernel[(grid,)](
-        q, kv, indices, grad_out, lse, delta, grad_q, acc, partial if partial is not None else acc, flags,
+        q_arg, kv, indices, do_arg, lse, delta, grad_q, acc, partial if partial is not None else acc, flags,
         topk_length if topk_length is not None else indices, order if order is not None else indices, dqr,
         H, N, K, t_begin, n_tiles, int(paired),
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
@@ -823,9 +859,24 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         scale, scale_log2,
         D=grad_out.shape[-1], RED=red_mode(partial is not None, lines), HAS_LEN=topk_length is not None,
         EVICT_LAST=bool(RED_EVICT_LAST if evict_last is None else evict_last) and partial is None,
-        ROPE=rope, SPLIT=_split(partial is not None, split) if rope == 0 else 0,
+        ROPE=rope, SPLIT=_split(partial is not None, split) if rope == 0 else 0, QD_TMA=bool(tma),
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
+
+
+def _tma_tiles(x) -> bool:
+    """Whether [64, 128] TMA tiles of the 2-D view [T * H, D] of ``x`` ([T, H, D]) are
+    exactly a tile's heads and a D quarter: H % 64 == 0, the last dim contiguous, the token
+    stride H times the head stride, 16-byte aligned base and strides."""
+    T, H, D = x.shape
+    return (H % BLOCK_H == 0 and x.stride(2) == 1 and x.stride(0) == H * x.stride(1)
+            and (x.stride(1) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0)
+
+
+def _qd_descriptor(x):
+    T, H, D = x.shape
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_H, 128], _GL_DTYPES[x.dtype])
+    return TensorDescriptor(x, [T * H, D], [x.stride(1), 1], [BLOCK_H, 128], layout)
 
 
 def _split(deterministic: bool, split) -> int:

@@ -18,9 +18,11 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import async_copy as _cp
+    from triton.experimental.gluon.language.nvidia.hopper import tma as _tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     _IMPORT_ERROR = None
 except ImportError as e:  # a Triton without Gluon's Hopper API
-    gluon = gl = _cp = None
+    gluon = gl = _cp = _tma = TensorDescriptor = None
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 from .common import KERNEL_DTYPES, cuda_properties
@@ -142,6 +144,8 @@ if gl is not None:
     _LINES_CONSTRAINTS = gl.constexpr(_LINES_CONSTRAINTS_SRC)
     # cp.async gather into shared memory (3.8+: async_load)
     async_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
+    # TMA tile load into shared memory (3.7+: async_load)
+    tma_load = getattr(_tma, "async_load", None) or _tma.async_copy_global_to_shared
     # barrier of the threads of a partition (3.7+: gl.barrier)
     thread_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
