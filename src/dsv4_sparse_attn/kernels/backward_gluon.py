@@ -68,10 +68,11 @@ RED_EVICT_LAST = False
 # S and dP; 2: with P and dS double-buffered (16 KB more shared memory). D = 512 value
 # columns only (no score-only columns). Measured on the H200 under Triton 3.6
 # (docs/performance/backward.md#split-roles): fast mode 1-5% less time with 2, on by default
-# up to Triton 3.8 (3.9 reloads registers in it, not timed there); deterministic mode 2-3%
-# less at H <= 64 but 9-14% more at H = 128, off. ``launch(split=...)`` overrides both.
+# where its block loops reload no register (sm_90 builds: Triton 3.6 and 3.8; 3.7 reloads
+# 38 values a loop in one consumer, 3.9 17-20 in both); deterministic mode 2-3% less at
+# H <= 64 but 9-14% more at H = 128, off. ``launch(split=...)`` overrides both.
 _TRITON_39 = TRITON_VERSION >= (3, 9)
-SPLIT_ROLES = 0 if _TRITON_39 else 2
+SPLIT_ROLES = 2 if TRITON_VERSION in ((3, 6), (3, 8)) else 0
 SPLIT_ROLES_DET = 0
 # q and dO by TMA (prototype, off; ``launch(qd_tma=...)``): the producer loads a tile's q and
 # dO as eight [64, 128] TMA tiles instead of 64 cp.async a thread, so that they do not
