@@ -11,6 +11,7 @@
 #                                          # under compute-sanitizer initcheck and memcheck
 #   bash benchmarks/gpu_session.sh features  # topk_length and the 576/512 layout (features_bench.py)
 #   bash benchmarks/gpu_session.sh experiments  # A/B: evict_last_bench.py, proto_ab.py, ...
+#   bash benchmarks/gpu_session.sh next   # proto/tma-qdo: its GPU tests, then its A/B next to cuDNN
 #   bash benchmarks/gpu_session.sh ncu-peer  # ncu stall profiles of the fast main kernel and
 #                                          # cuDNN's (benchmarks/experiments/ncu_peer.sh)
 #   bash benchmarks/gpu_session.sh triton-next  # GPU kernel tests and a quick bench under the
@@ -193,6 +194,18 @@ experiments)
       ${peer[@]+"${peer[@]}"} 2>&1 | tee "$OUT/split_roles.jsonl"
   fi
   ;;
+next)
+  # proto/tma-qdo: the q/dO-by-TMA GPU tests alone under a short limit (a hang costs this
+  # step only), then its A/B next to cuDNN (only if they passed). About 6 minutes.
+  timeout ${NEXT_TESTS_TIMEOUT:-170} python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels_gpu.py \
+    -k "qd_tma" 2>&1 | tail -6 | tee "$OUT/next_tests.log"
+  ok=$(grep -c " passed" "$OUT/next_tests.log"); grep -q -E "failed|error" "$OUT/next_tests.log" && ok=0
+  if [ "$ok" -gt 0 ]; then
+    timeout 120 bash .peers/cudnn_dsa/install.sh > "$OUT/cudnn_install.log" 2>&1
+    PYTHONPATH=$PYTHONPATH:/tmp/cudnn_site timeout 330 python3 benchmarks/experiments/qd_tma_bench.py \
+      .peers/cudnn_dsa 2>&1 | tee "$OUT/qd_tma.jsonl"
+  fi
+  ;;
 ncu-peer)
   # The fast backward next to cuDNN's: kernel times over a K sweep, then ncu stall profiles (about 5 minutes)
   timeout 120 bash .peers/cudnn_dsa/install.sh > "$OUT/cudnn_install.log" 2>&1 || { echo "no cuDNN peer kit"; exit 2; }
@@ -224,6 +237,6 @@ triton-next)
   fi
   ;;
 *)
-  echo "usage: bash benchmarks/gpu_session.sh tests|bench|sweep|properties|sanitize-properties|features|experiments|ncu-peer|triton-next" >&2; exit 2
+  echo "usage: bash benchmarks/gpu_session.sh tests|bench|sweep|properties|sanitize-properties|features|experiments|next|ncu-peer|triton-next" >&2; exit 2
   ;;
 esac
