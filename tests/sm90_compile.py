@@ -235,8 +235,8 @@ def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None,
     types = BWD_TYPES
     if qd_tma:  # q and dO as [T * H, D] tensor descriptors of [64, 128] tiles (launch's _qd_descriptor)
         from triton.experimental.gluon import language as gl
-        layout = gl.NVMMASharedLayout.get_default_for([G.BLOCK_H, 128], gl.bfloat16)
-        desc = f"tensordesc<bf16[{G.BLOCK_H}, 128],{layout!r}>"
+        layout = gl.NVMMASharedLayout.get_default_for([1, G.BLOCK_H, 128], gl.bfloat16)
+        desc = f"tensordesc<bf16[1, {G.BLOCK_H}, 128],{layout!r}>"
         types = {**BWD_TYPES, "Q": desc, "DO": desc}
         consts["QD_TMA"] = True
     return compile_sm90(G._bwd_main_gluon_kernel, types, consts, hopper.NUM_WARPS, 1, BWD_DIV16,

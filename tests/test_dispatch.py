@@ -277,17 +277,15 @@ def test_python_m_report_lists_lengths_and_the_v32_layout(fresh, monkeypatch):
     assert len(plain_576) == 3 * 3 and all(" reference " in line for line in plain_576), plain_576
 
 
-def test_gluon_backward_loads_q_and_do_by_tma_only_where_the_heads_tile_exactly():
-    """``backward_gluon.QD_TMA`` views q and dO as [T * H, D] and loads [64, 128] tiles: a
-    tile's rows must be exactly its 64 heads of one token (H % 64 == 0, the token stride H
-    times the head stride, the last dim contiguous, 16-byte aligned); anything else keeps
-    the cp.async loads, which mask the heads."""
-    tiles = backward_gluon._tma_tiles
-    q = torch.zeros(3, 128, 512, dtype=torch.bfloat16)
-    assert tiles(q)
-    assert tiles(torch.zeros(3, 64, 2, 512, dtype=torch.bfloat16)[:, :, 0])  # strided heads, uniform rows
-    assert not tiles(torch.zeros(3, 32, 512, dtype=torch.bfloat16))  # H < 64: a tile spans tokens
-    assert not tiles(torch.zeros(3, 96, 512, dtype=torch.bfloat16))  # H % 64 != 0
-    assert not tiles(torch.zeros(3, 130, 512, dtype=torch.bfloat16)[:, :128])  # token stride != H x head
-    assert not tiles(torch.zeros(512, 128, 3, dtype=torch.bfloat16).permute(2, 1, 0))  # D not contiguous
-    assert not tiles(torch.zeros(3 * 128 * 512 + 1, dtype=torch.bfloat16)[1:].view(3, 128, 512))  # misaligned
+def test_gluon_backward_loads_q_and_do_by_tma_only_where_tma_can_address_them():
+    """``backward_gluon.QD_TMA`` loads [1, 64, 128] tiles of q and dO ([T, H, D]) by TMA: any
+    H (heads past H come in as zeros) and any token and head strides, but the last dim must
+    be contiguous and the base and strides 16-byte aligned; anything else keeps cp.async."""
+    ok = backward_gluon._tma_ok
+    assert ok(torch.zeros(3, 128, 512, dtype=torch.bfloat16))
+    assert ok(torch.zeros(3, 16, 512, dtype=torch.bfloat16))  # H < 64: the tile's other heads are zeros
+    assert ok(torch.zeros(3, 64, 2, 512, dtype=torch.bfloat16)[:, :, 0])  # strided heads
+    assert ok(torch.zeros(3, 130, 512, dtype=torch.bfloat16)[:, :128])  # token stride != H x head stride
+    assert not ok(torch.zeros(512, 128, 3, dtype=torch.bfloat16).permute(2, 1, 0))  # D not contiguous
+    assert not ok(torch.zeros(3 * 128 * 512 + 1, dtype=torch.bfloat16)[1:].view(3, 128, 512))  # misaligned
+    assert not ok(torch.zeros(3, 64, 516, dtype=torch.bfloat16)[:, :, :512])  # head stride 1032 bytes

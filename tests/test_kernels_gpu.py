@@ -204,13 +204,13 @@ def test_gluon_backward_with_split_roles_matches_reference(monkeypatch, case, de
 @pytest.mark.parametrize("case", GLUON_BWD_CASES + [Case(64, 128, 512, 300, 256, ids="shared")], ids=str)
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
 def test_gluon_backward_with_qd_tma_matches_reference(monkeypatch, case, deterministic):
-    """q and dO by TMA (``backward_gluon.QD_TMA``, where the heads tile exactly: H % 64 == 0;
-    other H keep cp.async): against the float64 oracle on the default schedule's cases, and
+    """q and dO by TMA (``backward_gluon.QD_TMA``; heads past H come in as zeros): against the
+    float64 oracle on the default schedule's cases (H from 1 to 128, strided grad_out), and
     the deterministic mode bitwise equal to the cp.async loads (the same tiles in shared
     memory, the same products)."""
     main = _gluon_bwd_or_skip(case.H)
     q, kv, idx, sink = make_case(case, DEV)
-    assert main._tma_tiles(q) == (case.H % 64 == 0)
+    assert main._tma_ok(q)
     if deterministic:
         length = make_lengths(case, DEV)
         out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, case.D ** -0.5, topk_length=length)

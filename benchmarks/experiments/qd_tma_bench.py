@@ -6,7 +6,7 @@ cp.async (the shipped producer), both modes, A, B, A, B in one process, next to 
 Prediction (docs/performance/backward.md#q-and-do-by-tma): a tile's q and dO no longer
 queue behind the last block's reductions in the SM's load/store path, so a tile's fixed
 cost falls towards cuDNN's (17 -> 8-12 us at H = 128): 3-7% less time at H128 K1152 and
-K512, 5-15% at K = 128-160, 2-5% at H64 K640, nothing at H = 16 and 32 (cp.async there).
+K512, 5-15% at K = 128-160, 2-5% at H64 K640 and at H = 16 and 32.
 Inputs as in ``split_roles_bench.py`` (cuDNN's side-by-side ids); the fast arm's grad_kv and
 grad_q checked against the deterministic backward, the deterministic arm bitwise.
 """
@@ -42,7 +42,7 @@ for T, H, K in shapes:
     q, kv, idx, sink, do, out, lse = inputs(T, H, K, D)
     scale = D ** -0.5
     fl = 10 * T * H * K * D
-    r = dict(T=T, H=H, K=K, tma_taken=bool(backward_gluon._tma_tiles(q) and backward_gluon._tma_tiles(do)))
+    r = dict(T=T, H=H, K=K, tma_taken=bool(backward_gluon._tma_ok(q) and backward_gluon._tma_ok(do)))
 
     def run(det, tma):
         return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon,

@@ -75,11 +75,11 @@ _TRITON_39 = TRITON_VERSION >= (3, 9)
 SPLIT_ROLES = 2 if TRITON_VERSION in ((3, 6), (3, 8)) else 0
 SPLIT_ROLES_DET = 0
 # q and dO by TMA (prototype, off; ``launch(qd_tma=...)``): the producer loads a tile's q and
-# dO as eight [64, 128] TMA tiles instead of 64 cp.async a thread, so that they do not
-# queue behind the last block's reductions in the SM's load/store path (cuDNN loads Q and
-# dO by TMA). Taken where a 2-D [T * H, D] view tiles the heads exactly: H % 64 == 0, the
-# last dim contiguous, the token stride H times the head stride, D = 512 without score-only
-# columns; else cp.async.
+# dO as eight [1, 64, 128] TMA tiles of [T, H, D] instead of 64 cp.async a thread, so that
+# they do not queue behind the last block's reductions in the SM's load/store path (cuDNN
+# loads Q and dO by TMA); heads past H come in as zeros, as the cp.async masks make them.
+# Taken where TMA can address the tensors (the last dim contiguous, 16-byte aligned base and
+# strides), D = 512 without score-only columns; else cp.async.
 QD_TMA = False
 
 
@@ -131,7 +131,7 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
     # (ROPE and QD_TMA arrive as literals from the _producer* wrappers: a constexpr passed
     # through warp_specialize's argument tuple reaches the partition as a plain value, and
     # the rope code below then fails to lower when ROPE is 0). QD_TMA: Q and DO are
-    # [T * H, D] tensor descriptors with [64, 128] blocks, not pointers.
+    # [T, H, D] tensor descriptors with [1, 64, 128] blocks, not pointers.
     Q, DO, KV, IDX, LEN, ORDER = io
     H, N, K = sizes
     stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it = strides
@@ -153,12 +153,15 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
         # q and dO of this tile, once both consumers are done with the previous tile's
         # (a fresh mbarrier counts its phase "1" as complete: the first wait passes).
         mbarrier.wait(bars.index(_QD_FREE), (tcount & 1) ^ 1)
-        if QD_TMA:  # eight TMA tiles, counted in bytes on the barrier (H % 64 == 0)
-            row = (pid_t * H + pid_h * _BH).to(gl.int32)  # (TMA coordinates are 32-bit)
+        if QD_TMA:  # eight TMA tiles, counted in bytes on the barrier (heads past H: zeros)
+            t32 = pid_t.to(gl.int32)  # (TMA coordinates are 32-bit)
+            h32 = (pid_h * _BH).to(gl.int32)
             mbarrier.expect(bars.index(_QD_READY), 8 * _BH * _QD * q_smem.dtype.primitive_bitwidth // 8)
             for c in gl.static_range(4):
-                tma_load(Q, [row, c * _QD], bars.index(_QD_READY), q_smem.index(c))
-                tma_load(DO, [row, c * _QD], bars.index(_QD_READY), do_smem.index(c))
+                q_box = q_smem.index(c).reshape([1, _BH, _QD])
+                do_box = do_smem.index(c).reshape([1, _BH, _QD])
+                tma_load(Q, [t32, h32, c * _QD], bars.index(_QD_READY), q_box)
+                tma_load(DO, [t32, h32, c * _QD], bars.index(_QD_READY), do_box)
         else:
             h = pid_h * _BH + offs_r  # _BH == _BK: the row offsets serve both
             h_ok = (h < H)[:, None]
@@ -849,7 +852,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     rope = D - grad_out.shape[-1]
     # the programs' dQ scratch for the rope columns (zeros; the kernel leaves it zero)
     dqr = torch.zeros((grid, BLOCK_H, rope), dtype=torch.float32, device=q.device) if rope else acc
-    tma = (QD_TMA if qd_tma is None else qd_tma) and rope == 0 and _tma_tiles(q) and _tma_tiles(grad_out)
+    tma = (QD_TMA if qd_tma is None else qd_tma) and rope == 0 and _tma_ok(q) and _tma_ok(grad_out)
     q_arg, do_arg = (_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out)
     _bwd_main_gluon_kernel[(grid,)](
         q_arg, kv, indices, do_arg, lse, delta, grad_q, acc, partial if partial is not None else acc, flags,
@@ -865,19 +868,16 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     )
 
 
-def _tma_tiles(x) -> bool:
-    """Whether [64, 128] TMA tiles of the 2-D view [T * H, D] of ``x`` ([T, H, D]) are
-    exactly a tile's heads and a D quarter: H % 64 == 0, the last dim contiguous, the token
-    stride H times the head stride, 16-byte aligned base and strides."""
-    T, H, D = x.shape
-    return (H % BLOCK_H == 0 and x.stride(2) == 1 and x.stride(0) == H * x.stride(1)
-            and (x.stride(1) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0)
+def _tma_ok(x) -> bool:
+    """Whether TMA can load [1, 64, 128] tiles of ``x`` ([T, H, D]): the last dim
+    contiguous, the base and the other strides 16-byte aligned."""
+    return (x.stride(2) == 1 and x.data_ptr() % 16 == 0
+            and all((x.stride(i) * x.element_size()) % 16 == 0 for i in (0, 1)))
 
 
 def _qd_descriptor(x):
-    T, H, D = x.shape
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_H, 128], _GL_DTYPES[x.dtype])
-    return TensorDescriptor(x, [T * H, D], [x.stride(1), 1], [BLOCK_H, 128], layout)
+    layout = gl.NVMMASharedLayout.get_default_for([1, BLOCK_H, 128], _GL_DTYPES[x.dtype])
+    return TensorDescriptor(x, list(x.shape), [x.stride(0), x.stride(1), 1], [1, BLOCK_H, 128], layout)
 
 
 def _split(deterministic: bool, split) -> int:
