@@ -10,7 +10,6 @@ fake column order, 3 int64 fixed-point reds, 4 mode 2 with the reductions predic
 import json
 import math
 import os
-import sys
 
 import torch
 import triton
@@ -19,22 +18,14 @@ import triton.language as tl
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import inputs, relerr  # (this directory)
+from side_by_side import bench, inputs, relerr  # (this directory)
+from side_by_side import cudnn_peer as load_peer
 import bwd_dkv_modes as X
 
 dev = "cuda"
 D = 512
 OUT = os.environ.get("OUT", "/tmp")
-peer = sys.argv[1] if len(sys.argv) > 1 else None
-if peer:
-    sys.path.insert(0, peer)
-    try:
-        import cudnn_peer
-    except Exception as e:  # noqa
-        print("no cudnn peer:", e)
-        cudnn_peer = None
-else:
-    cudnn_peer = None
+cudnn_peer = load_peer()
 
 
 def unfake(acc):
@@ -42,10 +33,6 @@ def unfake(acc):
     c = torch.arange(512, device=acc.device)
     fake = (c & ~15) | (((c & 7) >> 1) << 2) | (((c >> 3) & 1) << 1) | (c & 1)
     return acc[:, fake]
-
-
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
 
 
 rows = []

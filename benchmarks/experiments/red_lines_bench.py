@@ -9,32 +9,18 @@ Inputs as in ``dkv_modes_bench.py`` (cuDNN's side-by-side ids: a window of 128, 
 distinct pool rows). grad_kv of both variants is checked against the deterministic one.
 """
 import json
-import sys
 
 import torch
-import triton
 
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import inputs, relerr  # (this directory)
+from side_by_side import bench, inputs, relerr  # (this directory)
+from side_by_side import cudnn_peer as load_peer
 
 dev = "cuda"
 D = 512
-peer = sys.argv[1] if len(sys.argv) > 1 else None
-cudnn_peer = None
-if peer:
-    sys.path.insert(0, peer)
-    try:
-        import cudnn_peer
-    except Exception as e:  # noqa: BLE001
-        print("no cudnn peer:", e)
-
-
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
-
-
+cudnn_peer = load_peer()
 shapes = [(4096, 64, 640), (4096, 128, 1152), (4096, 128, 512), (4096, 16, 1152), (4096, 32, 1152),
           (32768, 64, 640), (32768, 128, 1152)]
 for T, H, K in shapes:

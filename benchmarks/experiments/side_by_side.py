@@ -1,7 +1,11 @@
 """What the backward experiments share: cuDNN's side-by-side inputs (a causal window of 128
 rows, then distinct pool ids; N = T + max(T/4, K)), drawn from one generator seeded per
-shape, so that every script times the same tensors for the same (T, H, K, seed)."""
+shape, so that every script times the same tensors for the same (T, H, K, seed); the timing
+they all use; and cuDNN's peer module from the kit's folder."""
+import sys
+
 import torch
+import triton
 
 
 def ids(T, K, N, g, dev):
@@ -34,3 +38,23 @@ def relerr(a, b):
     """||a - b|| / ||b|| in float64 (on the CPU: ``b`` may be the oracle's)."""
     a, b = a.double().cpu(), b.double().cpu()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def bench(fn):
+    """Median ms of ``fn`` (``triton.testing.do_bench``, 5 warm-up calls, 40 ms of calls)."""
+    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+
+
+def cudnn_peer(argv=None):
+    """The peer kit's ``cudnn_peer`` module from the folder in ``argv[1]`` (default
+    ``sys.argv``), or None (no folder given, or it does not load: said why)."""
+    argv = sys.argv if argv is None else argv
+    if len(argv) < 2:
+        return None
+    sys.path.insert(0, argv[1])
+    try:
+        import cudnn_peer as peer
+    except Exception as e:  # noqa: BLE001
+        print("no cudnn peer:", e)
+        return None
+    return peer
