@@ -11,31 +11,17 @@ Inputs as in ``split_roles_bench.py`` (cuDNN's side-by-side ids); the fast arm's
 grad_q checked against the deterministic backward, the deterministic arm bitwise.
 """
 import json
-import sys
 
 import torch
-import triton
 
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import inputs, relerr  # (this directory)
+from side_by_side import bench, inputs, relerr  # (this directory)
+from side_by_side import cudnn_peer as load_peer
 
 D = 512
-peer = sys.argv[1] if len(sys.argv) > 1 else None
-cudnn_peer = None
-if peer:
-    sys.path.insert(0, peer)
-    try:
-        import cudnn_peer
-    except Exception as e:  # noqa: BLE001
-        print("no cudnn peer:", e)
-
-
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
-
-
+cudnn_peer = load_peer()
 shapes = [(4096, 64, 640), (4096, 128, 1152), (4096, 128, 512), (4096, 16, 1152), (4096, 32, 1152),
           (32768, 64, 640), (4096, 128, 128), (4096, 64, 160)]
 for T, H, K in shapes:
