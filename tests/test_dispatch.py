@@ -289,3 +289,8 @@ def test_gluon_backward_loads_q_and_do_by_tma_only_where_tma_can_address_them():
     assert not ok(torch.zeros(512, 128, 3, dtype=torch.bfloat16).permute(2, 1, 0))  # D not contiguous
     assert not ok(torch.zeros(3 * 128 * 512 + 1, dtype=torch.bfloat16)[1:].view(3, 128, 512))  # misaligned
     assert not ok(torch.zeros(3, 64, 516, dtype=torch.bfloat16)[:, :, :512])  # head stride 1032 bytes
+    # the descriptor: [T, H, D] with its token and head strides, [1, 64, 128] tiles
+    q = torch.zeros(3, 2, 16, 512, dtype=torch.bfloat16)[:, 0]  # token stride 2 x 16 x 512
+    d = backward_gluon._qd_descriptor(q)
+    assert (list(d.shape), list(d.strides)) == ([3, 16, 512], [16384, 512, 1])
+    assert list(d.block_shape) == [1, 64, 128]
