@@ -260,6 +260,26 @@ def _head_rows(LSE, DELTA, H, pid_t, pid_h, stride_lt, row_l: gl.constexpr):
 
 
 @gluon.jit
+def _tile_start(LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it):
+    """What both consumer schedules set up at a tile's start: its heads (``_head_rows``),
+    the slot and column offsets in S's wgmma layout (a dKV piece, [_BK slots, 64 columns],
+    has that layout too: each thread holds two slot rows and pairs of adjacent columns),
+    the token's ids and the zero accumulators of S, dQ and a dKV piece."""
+    s_l: gl.constexpr = _S_L
+    row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+    col_l: gl.constexpr = gl.SliceLayout(0, s_l)
+    row_ok, lse2, delta = _head_rows(LSE, DELTA, H, pid_t, pid_h, stride_lt, row_l)
+    offs_c = gl.arange(0, _BK, layout=col_l)
+    offs_dd = gl.arange(0, 64, layout=col_l)
+    offs_ks = gl.arange(0, _BK, layout=row_l)
+    idx_row = IDX + pid_t * stride_it
+    s_zero = gl.zeros([_BH, _BK], gl.float32, layout=s_l)
+    dq_zero = gl.zeros([_BH, _QD], gl.float32, layout=_DQ_L)
+    dkv_zero = gl.zeros([_BK, 64], gl.float32, layout=s_l)
+    return row_ok, lse2, delta, offs_c, offs_dd, offs_ks, idx_row, s_zero, dq_zero, dkv_zero
+
+
+@gluon.jit
 def _scores(q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars, z, ph, ids, N, s_zero, scale, scale_log2,
             lse2, row_ok, delta, ROPE: gl.constexpr):
     """A block's S = q kv^T and dP = dO kv^T (each kv half as soon as it has landed), then
@@ -351,19 +371,9 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     scale, scale_log2 = scales
     D: gl.constexpr = 4 * _QD
     dtype: gl.constexpr = q_smem.dtype
-    s_l: gl.constexpr = _S_L
-    dq_l: gl.constexpr = _DQ_L
-    row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-    col_l: gl.constexpr = gl.SliceLayout(0, s_l)
 
-    row_ok, lse2, delta = _head_rows(LSE, DELTA, H, pid_t, pid_h, stride_lt, row_l)
-    offs_c = gl.arange(0, _BK, layout=col_l)
-    offs_dd = gl.arange(0, 64, layout=col_l)
-    offs_ks = gl.arange(0, _BK, layout=row_l)
-    idx_row = IDX + pid_t * stride_it
-    s_zero = gl.zeros([_BH, _BK], gl.float32, layout=s_l)
-    dq_zero = gl.zeros([_BH, _QD], gl.float32, layout=dq_l)
-    dkv_zero = gl.zeros([_BK, 64], gl.float32, layout=s_l)
+    row_ok, lse2, delta, offs_c, offs_dd, offs_ks, idx_row, s_zero, dq_zero, dkv_zero = _tile_start(
+        LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it)
     dq0 = dq_zero
     dq1 = dq_zero
     # head-block pairs (deterministic path): see _consume_tile
@@ -516,23 +526,9 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     scale, scale_log2 = scales
     D: gl.constexpr = 4 * _QD + ROPE  # a dKV / partial row: the value columns, then the rope ones
     dtype: gl.constexpr = q_smem.dtype
-    s_l: gl.constexpr = _S_L
-    dq_l: gl.constexpr = _DQ_L
-    row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-    col_l: gl.constexpr = gl.SliceLayout(0, s_l)
-    # A dKV piece is [_BK slots, 64 columns] with S's wgmma layout: each thread holds two
-    # slot rows and pairs of adjacent columns.
-    dkv_k_l: gl.constexpr = gl.SliceLayout(1, s_l)
-    dkv_d_l: gl.constexpr = gl.SliceLayout(0, s_l)
 
-    row_ok, lse2, delta = _head_rows(LSE, DELTA, H, pid_t, pid_h, stride_lt, row_l)
-    offs_c = gl.arange(0, _BK, layout=col_l)
-    offs_dd = gl.arange(0, 64, layout=dkv_d_l)
-    offs_ks = gl.arange(0, _BK, layout=dkv_k_l)
-    idx_row = IDX + pid_t * stride_it
-    s_zero = gl.zeros([_BH, _BK], gl.float32, layout=s_l)
-    dq_zero = gl.zeros([_BH, _QD], gl.float32, layout=dq_l)
-    dkv_zero = gl.zeros([_BK, 64], gl.float32, layout=s_l)
+    row_ok, lse2, delta, offs_c, offs_dd, offs_ks, idx_row, s_zero, dq_zero, dkv_zero = _tile_start(
+        LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it)
     dq0 = dq_zero
     dq1 = dq_zero
     # ROPE: consumer WG owns the rope columns [32 WG, 32 WG + 32) of dQ and of the dKV rows.
