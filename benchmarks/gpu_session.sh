@@ -195,14 +195,15 @@ experiments)
   fi
   ;;
 next)
-  # proto/tma-qdo: the q/dO-by-TMA GPU tests alone under a short limit (a hang costs this
-  # step only), then its A/B next to cuDNN (only if they passed). About 6 minutes.
-  timeout ${NEXT_TESTS_TIMEOUT:-170} python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels_gpu.py \
-    -k "qd_tma" 2>&1 | tail -6 | tee "$OUT/next_tests.log"
+  # proto/tma-qdo: the GPU tests of q/dO by TMA and of their early release alone under a
+  # short limit (a hang costs this step only), then the A/B next to cuDNN (only if they
+  # passed; its rows print as they finish). About 9 minutes.
+  timeout ${NEXT_TESTS_TIMEOUT:-200} python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels_gpu.py \
+    -k "qd_tma or qd_early" 2>&1 | tail -6 | tee "$OUT/next_tests.log"
   ok=$(grep -c " passed" "$OUT/next_tests.log"); grep -q -E "failed|error" "$OUT/next_tests.log" && ok=0
   if [ "$ok" -gt 0 ]; then
     timeout 120 bash .peers/cudnn_dsa/install.sh > "$OUT/cudnn_install.log" 2>&1
-    PYTHONPATH=$PYTHONPATH:/tmp/cudnn_site timeout 330 python3 benchmarks/experiments/qd_tma_bench.py \
+    PYTHONPATH=$PYTHONPATH:/tmp/cudnn_site timeout ${NEXT_BENCH_TIMEOUT:-330} python3 benchmarks/experiments/qd_tma_bench.py \
       .peers/cudnn_dsa 2>&1 | tee "$OUT/qd_tma.jsonl"
   fi
   ;;

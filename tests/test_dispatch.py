@@ -294,3 +294,25 @@ def test_gluon_backward_loads_q_and_do_by_tma_only_where_tma_can_address_them():
     d = backward_gluon._qd_descriptor(q)
     assert (list(d.shape), list(d.strides)) == ([3, 16, 512], [16384, 512, 1])
     assert list(d.block_shape) == [1, 64, 128]
+
+
+def test_gluon_backward_releases_q_and_do_early_only_with_tma_and_split_roles(monkeypatch):
+    """``backward_gluon.QD_EARLY`` (2 or 3 D quarters released by the last block's owner) needs
+    the TMA loads (their bytes complete the barrier, whatever quarter lands last) and a split
+    schedule (one consumer forms the last block's dKV rows); anywhere else it is off."""
+    loads = backward_gluon._qd_loads
+    q = torch.zeros(3, 64, 512, dtype=torch.bfloat16)
+    strided = torch.zeros(512, 64, 3, dtype=torch.bfloat16).permute(2, 1, 0)  # D not contiguous: no TMA
+    assert loads(q, q, 0, 2) == (False, 0)  # the shipped defaults: both off
+    assert loads(q, q, 0, 2, qd_tma=True) == (True, 0)
+    assert loads(q, q, 0, 2, qd_tma=True, qd_early=3) == (True, 3)
+    assert loads(q, q, 0, 1, qd_tma=True, qd_early=2) == (True, 2)
+    assert loads(q, q, 0, 0, qd_tma=True, qd_early=3) == (True, 0)  # unsplit schedule
+    assert loads(q, strided, 0, 2, qd_tma=True, qd_early=3) == (False, 0)  # cp.async
+    assert loads(q, q, 64, 0, qd_tma=True, qd_early=3) == (False, 0)  # the 576/512 layout
+    monkeypatch.setattr(backward_gluon, "QD_TMA", True)
+    monkeypatch.setattr(backward_gluon, "QD_EARLY", 2)
+    assert loads(q, q, 0, 2) == (True, 2)
+    for bad in (1, 4):
+        with pytest.raises(ValueError, match="qd_early"):
+            loads(q, q, 0, 2, qd_tma=True, qd_early=bad)

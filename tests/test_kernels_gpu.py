@@ -201,6 +201,36 @@ def test_gluon_backward_with_split_roles_matches_reference(monkeypatch, case, de
     check_backward(case, DEV, deterministic=deterministic, main=main)
 
 
+@pytest.mark.parametrize("early", [2, 3])
+@pytest.mark.parametrize("case", GLUON_BWD_CASES + [Case(64, 128, 512, 300, 256, ids="shared")], ids=str)
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+def test_gluon_backward_with_qd_early_release_matches_reference(monkeypatch, case, deterministic, early):
+    """q and dO quarters released early (``backward_gluon.QD_EARLY``: TMA loads, split 2):
+    against the float64 oracle (tiles of one and of many blocks, lengths with empty tiles in
+    the deterministic case), and the deterministic mode bitwise equal to split 2 with the
+    cp.async loads (the same products; only when the next tile's loads start differs)."""
+    main = _gluon_bwd_or_skip(case.H)
+    q, kv, idx, sink = make_case(case, DEV)
+    monkeypatch.setattr(main, "SPLIT_ROLES", 2)
+    monkeypatch.setattr(main, "SPLIT_ROLES_DET", 2)
+    if deterministic:
+        length = make_lengths(case, DEV)
+        out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, case.D ** -0.5, topk_length=length)
+        do, dl = torch.randn_like(out), torch.randn_like(lse)
+
+        def run():
+            return kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, case.D ** -0.5, main=main,
+                                       topk_length=length)
+
+        split2 = run()
+        monkeypatch.setattr(main, "QD_TMA", True)
+        monkeypatch.setattr(main, "QD_EARLY", early)
+        assert all(torch.equal(a, b) for a, b in zip(split2, run()))
+    monkeypatch.setattr(main, "QD_TMA", True)
+    monkeypatch.setattr(main, "QD_EARLY", early)
+    check_backward(case, DEV, deterministic=deterministic, main=main)
+
+
 @pytest.mark.parametrize("case", GLUON_BWD_CASES + [Case(64, 128, 512, 300, 256, ids="shared")], ids=str)
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
 def test_gluon_backward_with_qd_tma_matches_reference(monkeypatch, case, deterministic):

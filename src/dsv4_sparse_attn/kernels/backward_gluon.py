@@ -81,6 +81,13 @@ SPLIT_ROLES_DET = 0
 # Taken where TMA can address the tensors (the last dim contiguous, 16-byte aligned base and
 # strides), D = 512 without score-only columns; else cp.async.
 QD_TMA = False
+# With q and dO by TMA and a split schedule (prototype, 0: off; ``launch(qd_early=...)``): the
+# owner of a tile's last block releases the first QD_EARLY D quarters of q and dO (2 or 3)
+# as soon as its dKV pieces are done with them, and the producer loads the next tile's
+# quarters into them while the last block's remaining pieces run. (One release a block: a
+# predicated mbarrier arrive per quarter made ptxas reload 23 spilled values a block loop
+# under Triton 3.6, split 2, no lengths; one arrive, none.)
+QD_EARLY = 0
 
 
 # mbarrier slots
@@ -94,6 +101,7 @@ _KVR_FREE = gl.constexpr(8)  # the kv block's score-only columns (ROPE), read by
 _PDS2_READY = gl.constexpr(9)  # + P/dS buffer: SPLIT == 2 double-buffers P and dS
 _PDS2_FREE = gl.constexpr(11)  # + P/dS buffer
 _N_BARS = gl.constexpr(13)
+_QD_FREE_EARLY = gl.constexpr(13)  # q's and dO's first QD_EARLY quarters (QD_EARLY: one more barrier)
 # How many slot blocks a pair's leader may run ahead of its follower's adds (see
 # _consume_tile). H200, T=4096, H=128: 0 (lockstep) -8.8% backward time against no pacing
 # at K=1152 and K=512, 1 -7.5%, 2 -4%, 4 -1%
@@ -112,23 +120,33 @@ _DQ_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4,
 
 @gluon.jit
 def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 0, False)
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 0, False, 0)
 
 
 @gluon.jit
 def _producer_rope(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 64, False)
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 64, False, 0)
 
 
 @gluon.jit
 def _producer_qd_tma(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 0, True)
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 0, True, 0)
+
+
+@gluon.jit
+def _producer_qd_early2(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 0, True, 2)
+
+
+@gluon.jit
+def _producer_qd_early3(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 0, True, 3)
 
 
 @gluon.jit
 def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr, ROPE: gl.constexpr,
-             QD_TMA: gl.constexpr):
-    # (ROPE and QD_TMA arrive as literals from the _producer* wrappers: a constexpr passed
+             QD_TMA: gl.constexpr, EARLY: gl.constexpr):
+    # (ROPE, QD_TMA and EARLY arrive as literals from the _producer* wrappers: a constexpr passed
     # through warp_specialize's argument tuple reaches the partition as a plain value, and
     # the rope code below then fails to lower when ROPE is 0). QD_TMA: Q and DO are
     # [T, H, D] tensor descriptors with [1, 64, 128] blocks, not pointers.
@@ -152,12 +170,17 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
         k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN)
         # q and dO of this tile, once both consumers are done with the previous tile's
         # (a fresh mbarrier counts its phase "1" as complete: the first wait passes).
-        mbarrier.wait(bars.index(_QD_FREE), (tcount & 1) ^ 1)
+        if EARLY == 0:
+            mbarrier.wait(bars.index(_QD_FREE), (tcount & 1) ^ 1)
         if QD_TMA:  # eight TMA tiles, counted in bytes on the barrier (heads past H: zeros)
             t32 = pid_t.to(gl.int32)  # (TMA coordinates are 32-bit)
             h32 = (pid_h * _BH).to(gl.int32)
+            if EARLY > 0:  # the first EARLY quarters as soon as the last block's pieces are done with them
+                mbarrier.wait(bars.index(_QD_FREE_EARLY), (tcount & 1) ^ 1)
             mbarrier.expect(bars.index(_QD_READY), 8 * _BH * _QD * q_smem.dtype.primitive_bitwidth // 8)
             for c in gl.static_range(4):
+                if EARLY > 0 and c == EARLY:  # the others once both consumers are done with the tile
+                    mbarrier.wait(bars.index(_QD_FREE), (tcount & 1) ^ 1)
                 q_box = q_smem.index(c).reshape([1, _BH, _QD])
                 do_box = do_smem.index(c).reshape([1, _BH, _QD])
                 tma_load(Q, [t32, h32, c * _QD], bars.index(_QD_READY), q_box)
@@ -223,7 +246,7 @@ def _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN: gl.constexpr):
 
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr,
-              EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr):
+              EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr = 0):
     io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired = args
     H, N, K = sizes
     LEN = io[7]
@@ -237,7 +260,8 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
         k_end, nb_t, g0 = _tile_blocks(LEN, t_begin + pid_c, K, nb, tcount, bcount, HAS_LEN)
         if SPLIT:
             _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
-                                pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT)
+                                pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT,
+                                EARLY)
         else:
             _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
                           pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST)
@@ -347,7 +371,7 @@ def _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG: gl.conste
 @gluon.jit
 def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb,
                         tcount, paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr,
-                        EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr):
+                        EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG``, the block's roles split in time:
     the owner of block g (g % 2 == WG) computes S, dP, P and dS, both consumers add dS KV
     to their halves of dQ, and then the owner forms all of the block's dKV rows (8 pieces
@@ -363,7 +387,12 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     Head-block pairs (partial rows): as in ``_consume_tile``, but the counts are per block
     parity, not per consumer: the blocks j of one parity are those one consumer of each
     program owns, in order (a tile's first block's owner differs between the two programs
-    of a pair)."""
+    of a pair).
+
+    ``EARLY`` > 0: the owner of the tile's last block releases the first EARLY D quarters of
+    q and dO (``_QD_FREE_EARLY``) once its dKV pieces are done with them; the other consumer
+    (and both, in a tile without blocks) releases them at the tile's end, where both
+    release the rest (``_QD_FREE``) as without."""
     IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
@@ -445,6 +474,8 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
                 _send_piece(row_ptr + (((i - 1) // 2) * _QD + ((i - 1) % 2) * 64), offs_dd, acc, on, follower,
                             paired, RED, EVICT_LAST)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
+                if EARLY > 0 and i == 2 * EARLY - 1:  # pieces 0..i read the quarters before EARLY
+                    mbarrier.arrive(bars.index(_QD_FREE_EARLY), pred=jj == nb_t - 1)
             mbarrier.arrive(free)  # P and dS read for the last time
             _send_piece(row_ptr + (3 * _QD + 64), offs_dd, acc, on, follower, paired, RED, EVICT_LAST)
             if leader:  # publish: every thread's stores of this block, then the count (release)
@@ -455,6 +486,8 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
         else:
             mbarrier.arrive(free)  # (my dQ read dS for the last time)
 
+    if EARLY > 0:  # (the last block's owner released the first quarters already)
+        mbarrier.arrive(bars.index(_QD_FREE_EARLY), pred=(nb_t == 0) | ((g0 + nb_t - 1) % 2 != WG))
     mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
 
     _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
@@ -708,11 +741,14 @@ def _bwd_main_gluon_kernel(
     EVICT_LAST: gl.constexpr = False,
     SPLIT: gl.constexpr = 0,
     QD_TMA: gl.constexpr = False,
+    QD_EARLY: gl.constexpr = 0,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
     gl.static_assert(not SPLIT or ROPE == 0, "split roles: D = 512 (no score-only columns)")
     gl.static_assert(not QD_TMA or ROPE == 0, "q and dO by TMA: D = 512 (no score-only columns)")
+    gl.static_assert(QD_EARLY == 0 or (QD_TMA and SPLIT > 0 and (QD_EARLY == 2 or QD_EARLY == 3)),
+                     "q and dO released early: 2 or 3 quarters, by TMA, split schedules")
     if QD_TMA:
         dtype: gl.constexpr = Q.dtype
     else:
@@ -733,7 +769,11 @@ def _bwd_main_gluon_kernel(
     else:  # (never read)
         qr_smem = p_smem
         kvr_smem = ds_smem
-    bars = gl.allocate_shared_memory(gl.int64, [_N_BARS, 1], mbarrier.MBarrierLayout())
+    if QD_EARLY > 0:
+        bars = gl.allocate_shared_memory(gl.int64, [_N_BARS + 1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(bars.index(_QD_FREE_EARLY), count=2)
+    else:
+        bars = gl.allocate_shared_memory(gl.int64, [_N_BARS, 1], mbarrier.MBarrierLayout())
     # cp.async arrivals of the producer's threads, or the TMA tiles' expect
     mbarrier.init(bars.index(_QD_READY), count=1 if QD_TMA else 128)
     mbarrier.init(bars.index(_QD_FREE), count=2)
@@ -767,6 +807,16 @@ def _bwd_main_gluon_kernel(
         gl.warp_specialize([(_producer_rope, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT))],
+                           [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
+    elif QD_EARLY == 2:
+        gl.warp_specialize([(_producer_qd_early2, p_args),
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2))],
+                           [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
+    elif QD_EARLY == 3:
+        gl.warp_specialize([(_producer_qd_early3, p_args),
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_TMA:
         gl.warp_specialize([(_producer_qd_tma, p_args),
@@ -829,7 +879,7 @@ def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, lines=None, order=None, evict_last=None, split=None,
-           qd_tma=None):
+           qd_tma=None, qd_early=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -848,7 +898,8 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     rope = D - grad_out.shape[-1]
     # the programs' dQ scratch for the rope columns (zeros; the kernel leaves it zero)
     dqr = torch.zeros((grid, BLOCK_H, rope), dtype=torch.float32, device=q.device) if rope else acc
-    tma = (QD_TMA if qd_tma is None else qd_tma) and rope == 0 and _tma_ok(q) and _tma_ok(grad_out)
+    sp = _split(partial is not None, split) if rope == 0 else 0
+    tma, early = _qd_loads(q, grad_out, rope, sp, qd_tma, qd_early)
     q_arg, do_arg = (_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out)
     _bwd_main_gluon_kernel[(grid,)](
         q_arg, kv, indices, do_arg, lse, delta, grad_q, acc, partial if partial is not None else acc, flags,
@@ -859,9 +910,19 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         scale, scale_log2,
         D=grad_out.shape[-1], RED=red_mode(partial is not None, lines), HAS_LEN=topk_length is not None,
         EVICT_LAST=bool(RED_EVICT_LAST if evict_last is None else evict_last) and partial is None,
-        ROPE=rope, SPLIT=_split(partial is not None, split) if rope == 0 else 0, QD_TMA=bool(tma),
+        ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early,
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
+
+
+def _qd_loads(q, grad_out, rope: int, split: int, qd_tma=None, qd_early=None) -> tuple[bool, int]:
+    """How the producer loads q and dO: (by TMA, quarters released early). TMA where it can
+    address both (``_tma_ok``) at D = 512; the early release with TMA and a split schedule."""
+    tma = bool(QD_TMA if qd_tma is None else qd_tma) and rope == 0 and _tma_ok(q) and _tma_ok(grad_out)
+    early = int(QD_EARLY if qd_early is None else qd_early)
+    if early not in (0, 2, 3):
+        raise ValueError(f"qd_early: 0 (off), 2 or 3 quarters, got {early}")
+    return tma, early if tma and split else 0
 
 
 def _tma_ok(x) -> bool:
