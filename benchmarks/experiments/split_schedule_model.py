@@ -6,7 +6,11 @@ the deterministic mode's per-parity flags and the leader's pacing. It checks tha
 interleaving deadlocks and that every read sees the block it should (kv rows for S and dQ,
 P and dS for dQ and dKV, the leader's rows before the follower adds to them), with one
 P/dS buffer (``split=1``) or two (``split=2``); and that the check catches three broken
-variants (per-consumer flags, no follower wait, pacing one block too far).
+variants (per-consumer flags, no follower wait, pacing one block too far). With
+``early`` (``backward_gluon.QD_EARLY``: the last block's owner releases q's and dO's first
+2 or 3 D quarters once its dKV pieces are done with them, and the producer loads the next
+tile's quarters into them) it checks that no quarter is replaced while a consumer still
+reads it, and that the check catches a release at every owned block.
 
     python benchmarks/experiments/split_schedule_model.py     # prints the counts, exits 1 on failure
 
@@ -33,11 +37,11 @@ class Bar:
         return (self.done & 1) != parity
 
 
-def program(role, nbs, split, shared, pair_tile, bug):
+def program(role, nbs, split, shared, pair_tile, bug, early=0):
     bars = dict(QD_READY=Bar(1), QD_FREE=Bar(2), KV_READY0=Bar(1), KV_READY1=Bar(1), KV_FREE0=Bar(1),
                 KV_FREE1=Bar(1), PDS_READY=Bar(1), PDS_FREE=Bar(2), R0=Bar(1), R1=Bar(1), F0=Bar(2),
-                F1=Bar(2))
-    st = dict(q=None, kv=[None, None], p=[None, None])
+                F1=Bar(2), QD_FREE_EARLY=Bar(2))
+    st = dict(q=[None] * 4, kv=[None, None], p=[None, None])  # q: the tile in each D quarter
     g0s, g = [], 0
     for n in nbs:
         g0s.append(g)
@@ -45,8 +49,11 @@ def program(role, nbs, split, shared, pair_tile, bug):
 
     def producer():
         for t, n in enumerate(nbs):
+            if early:  # the first quarters as soon as they are released (the earliest a load lands)
+                yield ("QD_FREE_EARLY", (t & 1) ^ 1)
+                st["q"][:early] = [t] * early
             yield ("QD_FREE", (t & 1) ^ 1)
-            st["q"] = t
+            st["q"][early:] = [t] * (4 - early)
             bars["QD_READY"].arrive()
             for j in range(n):
                 g = g0s[t] + j
@@ -69,7 +76,7 @@ def program(role, nbs, split, shared, pair_tile, bug):
                 if mine:  # S and dP read both kv halves and q
                     yield ("KV_READY0", g & 1)
                     yield ("KV_READY1", g & 1)
-                    assert st["kv"] == [g, g] and st["q"] == t, ("S", g, st)
+                    assert st["kv"] == [g, g] and st["q"] == [t] * 4, ("S", g, st)
                     yield ("step",)
                     yield (free, pph ^ 1)
                     st["p"][pb] = g
@@ -87,9 +94,11 @@ def program(role, nbs, split, shared, pair_tile, bug):
                         back = j - 1
                         extra = 1 if bug == "pacing too far" else 0
                         yield ("spin", lambda: dn[back % 2] > back // 2 + extra)
-                    for _ in range(3):  # the dKV pieces read P, dS, q and dO
+                    for c in range(4):  # the dKV pieces read P, dS and q's and dO's quarters in order
                         yield ("step",)
-                        assert st["p"][pb] == g and st["q"] == t, ("dKV", g, st)
+                        assert st["p"][pb] == g and st["q"][c] == t, ("dKV", g, c, st)
+                        if early and c == early - 1 and (j == n - 1 or bug == "early every block"):
+                            bars["QD_FREE_EARLY"].arrive()
                     bars[free].arrive()
                     if paired and role == "leader":
                         rows[j] = "stored"
@@ -101,6 +110,8 @@ def program(role, nbs, split, shared, pair_tile, bug):
                         dn[j % 2] += 1
                 else:
                     bars[free].arrive()
+            if early and (n == 0 or (g0s[t] + n - 1) % 2 != wg):  # not the last block's owner
+                bars["QD_FREE_EARLY"].arrive()
             bars["QD_FREE"].arrive()
 
     def ready(w):
@@ -113,7 +124,7 @@ def program(role, nbs, split, shared, pair_tile, bug):
     return [producer(), consumer(0), consumer(1)], ready
 
 
-def run(seed, split, bug=None):
+def run(seed, split, bug=None, early=0):
     rnd = random.Random(seed)
     n_pair = rnd.randint(1, 7)
     tiles = [[rnd.randint(0, 5) for _ in range(rnd.randint(0, 2))] for _ in range(2)]
@@ -121,7 +132,7 @@ def run(seed, split, bug=None):
     shared = dict(flag=[0, 0], done=[0, 0], rows=[None] * n_pair)
     agents, ready = [], []
     for role, pre, post in zip(("leader", "follower"), tiles, after):
-        a, r = program(role, pre + [n_pair] + post, split, shared, len(pre), bug)
+        a, r = program(role, pre + [n_pair] + post, split, shared, len(pre), bug, early)
         agents += a
         ready += [r] * 3
     waiting, alive = [None] * 6, [True] * 6
@@ -137,20 +148,21 @@ def run(seed, split, bug=None):
     return "ok" if all(r == "added" for r in shared["rows"]) else "rows not added"
 
 
-def failures(split, bug=None, seeds=3000):
+def failures(split, bug=None, seeds=3000, early=0):
     out = 0
     for seed in range(seeds):
         try:
-            out += run(seed, split, bug) != "ok"
+            out += run(seed, split, bug, early) != "ok"
         except AssertionError:
             out += 1
     return out
 
 
 if __name__ == "__main__":
-    good = {split: failures(split) for split in (1, 2)}
+    good = {(split, early): failures(split, early=early) for split in (1, 2) for early in (0, 2, 3)}
     bugs = ("per-consumer flags", "no follower wait", "pacing too far")
     caught = {bug: failures(1, bug, 500) for bug in bugs}
-    print("interleavings failing, split 1 / 2:", good[1], "/", good[2], "of 3000 each")
+    caught["early every block"] = failures(2, "early every block", 500, early=2)
+    print("interleavings failing of 3000, (split, early quarters):", good)
     print("broken variants, interleavings failing of 500:", caught)
     sys.exit(0 if not any(good.values()) and all(caught.values()) else 1)
