@@ -22,9 +22,16 @@ def model():
     return mod
 
 
+@pytest.mark.parametrize("early", [0, 2, 3], ids=["", "early2", "early3"])
 @pytest.mark.parametrize("split", [1, 2])
-def test_split_schedule_protocol_holds_under_random_interleavings(model, split):
-    assert model.failures(split, seeds=1000) == 0
+def test_split_schedule_protocol_holds_under_random_interleavings(model, split, early):
+    """``early``: q's and dO's first quarters released by the last block's owner
+    (``backward_gluon.QD_EARLY``): none replaced while a consumer reads it."""
+    assert model.failures(split, seeds=1000, early=early) == 0
+
+
+def test_split_schedule_model_catches_an_early_release_at_every_block(model):
+    assert model.failures(2, "early every block", seeds=300, early=2) > 0
 
 
 @pytest.mark.parametrize("bug", ["per-consumer flags", "no follower wait", "pacing too far"])
