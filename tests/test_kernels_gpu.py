@@ -201,8 +201,20 @@ def test_gluon_backward_with_split_roles_matches_reference(monkeypatch, case, de
     check_backward(case, DEV, deterministic=deterministic, main=main)
 
 
+# tiles of 0, 1 and many blocks, more tiles than SMs, lengths (empty tiles among them),
+# padding heads, a head-block pair in the deterministic mode
+_EARLY_CASES = [
+    Case(400, 64, 512, 50, 0),
+    Case(2, 100, 512, 60, 1),
+    Case(300, 128, 512, 700, 300, ids="deepseek"),
+    Case(300, 128, 512, 700, 300, ids="deepseek", lengths=True),
+    Case(200, 40, 512, 300, 130, ids="deepseek"),
+    Case(64, 128, 512, 300, 256, ids="shared"),
+]
+
+
 @pytest.mark.parametrize("early", [2, 3])
-@pytest.mark.parametrize("case", GLUON_BWD_CASES + [Case(64, 128, 512, 300, 256, ids="shared")], ids=str)
+@pytest.mark.parametrize("case", _EARLY_CASES, ids=str)
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
 def test_gluon_backward_with_qd_early_release_matches_reference(monkeypatch, case, deterministic, early):
     """q and dO quarters released early (``backward_gluon.QD_EARLY``: TMA loads, split 2):
