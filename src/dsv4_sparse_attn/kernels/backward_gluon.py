@@ -304,6 +304,26 @@ def _tile_start(LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it):
 
 
 @gluon.jit
+def _pair_roles(FLAGS, paired, pid_c, pid_h, n_hb, nb, offs_ks, RED: gl.constexpr):
+    """A tile's part in a head-block pair (deterministic path; see ``_consume_tile``):
+    ``follower``, ``leader``, the partial rows of my slots in the tile's first block
+    (``slot0``) and the pair's flag words (``flag_base``: + consumer or block parity)."""
+    pairs = (paired != 0) & (RED < 3)
+    follower = pairs & (pid_h % 2 == 1)
+    leader = pairs & (pid_h % 2 == 0)
+    n_part = n_hb // (1 + paired)
+    part_h = pid_h // (1 + paired)
+    # (int32: the chunk's partial-row blocks number far fewer than 2^31; an int64 block base
+    # took two registers, which Triton 3.9's ptxas spilled)
+    part_t = pid_c.to(gl.int32) * n_part + part_h
+    blk0 = part_t * nb  # the first partial-row block of this tile's rows
+    # (int32; one invariant a thread, with _row_pair, not the block and the slot apart)
+    slot0 = blk0 * _BK + offs_ks
+    flag_base = FLAGS + 1 + part_t * 2
+    return follower, leader, slot0, flag_base
+
+
+@gluon.jit
 def _scores(q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars, z, ph, ids, N, s_zero, scale, scale_log2,
             lse2, row_ok, delta, ROPE: gl.constexpr):
     """A block's S = q kv^T and dP = dO kv^T (each kv half as soon as it has landed), then
@@ -406,14 +426,9 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     dq0 = dq_zero
     dq1 = dq_zero
     # head-block pairs (deterministic path): see _consume_tile
-    pairs = (paired != 0) & (RED < 3)
-    follower = pairs & (pid_h % 2 == 1)
-    leader = pairs & (pid_h % 2 == 0)
-    n_part = n_hb // (1 + paired)
-    part_t = pid_c.to(gl.int32) * n_part + pid_h // (1 + paired)
-    slot0 = part_t * nb * _BK + offs_ks  # my slots' partial rows in the tile's first block
-    flag_base = FLAGS + 1 + part_t * 2  # + block parity: the leader's published blocks
-    done_base = flag_base + n_tiles  # + block parity: the follower's added blocks
+    follower, leader, slot0, flag_base = _pair_roles(FLAGS, paired, pid_c, pid_h, n_hb, nb, offs_ks, RED)
+    # + block parity: the leader's published blocks, the follower's added blocks
+    done_base = flag_base + n_tiles
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
@@ -598,19 +613,8 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     # code goes: under Triton 3.9 that leaves 5-6 spill reloads per block loop instead of
     # 50-51 (17-19 against 56 before the opaque block counter); under 3.6-3.7 it adds one,
     # so RED = 2 keeps them, as runtime zeros.)
-    pairs = (paired != 0) & (RED < 3)
-    follower = pairs & (pid_h % 2 == 1)
-    leader = pairs & (pid_h % 2 == 0)
-    n_part = n_hb // (1 + paired)
-    part_h = pid_h // (1 + paired)
-    # (int32: the chunk's partial-row blocks number far fewer than 2^31; an int64 block base
-    # took two registers, which Triton 3.9's ptxas spilled)
-    part_t = pid_c.to(gl.int32) * n_part + part_h
-    blk0 = part_t * nb  # the first partial-row block of this tile's rows
-    # the partial rows of my slots in the tile's first block (int32; deterministic path):
-    # one invariant a thread (with _row_pair), not the block and the slot apart
-    slot0 = blk0 * _BK + offs_ks
-    flag_ptr = FLAGS + 1 + part_t * 2 + WG
+    follower, leader, slot0, flag_base = _pair_roles(FLAGS, paired, pid_c, pid_h, n_hb, nb, offs_ks, RED)
+    flag_ptr = flag_base + WG
     done_ptr = flag_ptr + n_tiles  # the follower's count of added blocks
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
 
