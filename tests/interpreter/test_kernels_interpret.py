@@ -81,23 +81,22 @@ def test_v32_layout_deterministic_fold_interpreted():
 
 
 def test_sink_gradient_kernel_interpreted():
-    """grad_sink = -sum_t exp(sink - lse) * Delta by segments of 4096 rows (two here, the
-    second partly masked), strided lse, non-finite sinks: as the float64 formula, IEEE
-    cases included (-inf: zero; +inf with finite lse: infinite terms of both signs, NaN)."""
+    """grad_sink = -sum_t exp(sink - lse) * Delta by segments of SINK_SEG_T rows (the last
+    partly masked; a head block partly masked), strided lse, non-finite sinks: as the float64
+    formula, IEEE cases included (-inf: zero; +inf with finite lse: infinite terms of both
+    signs, NaN)."""
     from dsv4_sparse_attn.kernels import backward as kbwd
 
     torch.manual_seed(0)
-    T, H = 4100, 5
+    T, H = 3 * kbwd.SINK_SEG_T + 5, 5
     lse = torch.randn(T, 2 * H)[:, :H]  # rows 2H apart (the backward makes the last dim dense)
     delta = torch.randn(T, H)
     sink = torch.tensor([0.5, -1.0, float("-inf"), float("inf"), float("nan")])
-    part = torch.zeros((2, H))
-    kbwd._sink_grad_kernel[(1, 2)](sink, lse, delta, part, T, H, lse.stride(0),
-                                   SEG_T=4096, BLOCK_T=256, BLOCK_H=8, num_warps=4)
-    got = part.sum(0)
+    got = kbwd.sink_grad(sink, lse, delta)
     want = -(torch.exp(sink.double()[None, :] - lse.double()) * delta.double()).sum(0)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert got[2] == 0 and torch.isnan(got[4])  # -inf sink: no gradient; NaN stays NaN
+    assert kbwd.sink_grad(sink, lse[:0], delta[:0]).eq(0).all()  # T = 0: zeros
 
 
 @pytest.mark.parametrize("tile, H", [((2, 4, 4), 3), ((8, 4, 4), 3), ((16, 8, 8), 3), ((4, 4, 4), 70)])
