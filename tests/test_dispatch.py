@@ -303,16 +303,23 @@ def test_gluon_backward_releases_q_and_do_early_only_with_tma_and_split_roles(mo
     loads = backward_gluon._qd_loads
     q = torch.zeros(3, 64, 512, dtype=torch.bfloat16)
     strided = torch.zeros(512, 64, 3, dtype=torch.bfloat16).permute(2, 1, 0)  # D not contiguous: no TMA
-    assert loads(q, q, 0, 2) == (False, 0)  # the shipped defaults: both off
-    assert loads(q, q, 0, 2, qd_tma=True) == (True, 0)
-    assert loads(q, q, 0, 2, qd_tma=True, qd_early=3) == (True, 3)
-    assert loads(q, q, 0, 1, qd_tma=True, qd_early=2) == (True, 2)
-    assert loads(q, q, 0, 0, qd_tma=True, qd_early=3) == (True, 0)  # unsplit schedule
-    assert loads(q, strided, 0, 2, qd_tma=True, qd_early=3) == (False, 0)  # cp.async
-    assert loads(q, q, 64, 0, qd_tma=True, qd_early=3) == (False, 0)  # the 576/512 layout
+    monkeypatch.setattr(backward_gluon, "QD_TMA_MAX_K", 256)  # (what Triton 3.6 takes)
+    assert loads(q, q, 0, 2, 256) == (True, 2)  # the defaults: short rows by TMA, 2 quarters early
+    assert loads(q, q, 0, 2, 257) == (False, 0)
+    assert loads(q, q, 0, 0, 128) == (True, 0)  # unsplit schedule (the deterministic default)
+    assert loads(q, q, 0, 2, 640, qd_tma=True) == (True, 2)
+    assert loads(q, q, 0, 2, 128, qd_tma=False) == (False, 0)
+    assert loads(q, q, 0, 2, 640, qd_tma=True, qd_early=3) == (True, 3)
+    assert loads(q, q, 0, 1, 640, qd_tma=True, qd_early=0) == (True, 0)
+    assert loads(q, q, 0, 0, 640, qd_tma=True, qd_early=3) == (True, 0)  # unsplit schedule
+    assert loads(q, strided, 0, 2, 128, qd_tma=True, qd_early=3) == (False, 0)  # cp.async
+    assert loads(q, q, 64, 0, 128, qd_tma=True, qd_early=3) == (False, 0)  # the 576/512 layout
     monkeypatch.setattr(backward_gluon, "QD_TMA", True)
-    monkeypatch.setattr(backward_gluon, "QD_EARLY", 2)
-    assert loads(q, q, 0, 2) == (True, 2)
+    monkeypatch.setattr(backward_gluon, "QD_EARLY", 3)
+    assert loads(q, q, 0, 2, 1152) == (True, 3)
+    monkeypatch.setattr(backward_gluon, "QD_TMA_MAX_K", -1)  # other Tritons: cp.async unless asked
+    monkeypatch.setattr(backward_gluon, "QD_TMA", None)
+    assert loads(q, q, 0, 2, 128) == (False, 0)
     for bad in (1, 4):
         with pytest.raises(ValueError, match="qd_early"):
-            loads(q, q, 0, 2, qd_tma=True, qd_early=bad)
+            loads(q, q, 0, 2, 640, qd_tma=True, qd_early=bad)

@@ -74,20 +74,24 @@ RED_EVICT_LAST = False
 _TRITON_39 = TRITON_VERSION >= (3, 9)
 SPLIT_ROLES = 2 if TRITON_VERSION in ((3, 6), (3, 8)) else 0
 SPLIT_ROLES_DET = 0
-# q and dO by TMA (prototype, off; ``launch(qd_tma=...)``): the producer loads a tile's q and
-# dO as eight [1, 64, 128] TMA tiles of [T, H, D] instead of 64 cp.async a thread, so that
-# they do not queue behind the last block's reductions in the SM's load/store path (cuDNN
-# loads Q and dO by TMA); heads past H come in as zeros, as the cp.async masks make them.
-# Taken where TMA can address the tensors (the last dim contiguous, 16-byte aligned base and
-# strides), D = 512 without score-only columns; else cp.async.
-QD_TMA = False
-# With q and dO by TMA and a split schedule (prototype, 0: off; ``launch(qd_early=...)``): the
-# owner of a tile's last block releases the first QD_EARLY D quarters of q and dO (2 or 3)
-# as soon as its dKV pieces are done with them, and the producer loads the next tile's
-# quarters into them while the last block's remaining pieces run. (One release a block: a
-# predicated mbarrier arrive per quarter made ptxas reload 23 spilled values a block loop
-# under Triton 3.6, split 2, no lengths; one arrive, none.)
-QD_EARLY = 0
+# q and dO by TMA (``launch(qd_tma=...)``): the producer loads a tile's q and dO as eight
+# [1, 64, 128] TMA tiles of [T, H, D] instead of 64 cp.async a thread, so that they do not
+# queue behind the last block's reductions in the SM's load/store path (cuDNN loads Q and dO
+# by TMA); heads past H come in as zeros, as the cp.async masks make them. Taken where TMA
+# can address the tensors (the last dim contiguous, 16-byte aligned base and strides), D =
+# 512 without score-only columns; else cp.async. Measured with the early release below
+# (H200, Triton 3.6; docs/performance/backward.md#q-and-do-by-tma): 3.5-7.6% less time where
+# a tile has few blocks (K = 128-160), within the run's spread at K >= 512; so ``None`` (the
+# default) takes it at K <= QD_TMA_MAX_K, under the Triton it was measured with only.
+QD_TMA = None
+QD_TMA_MAX_K = 256 if TRITON_VERSION == (3, 6) else -1
+# With q and dO by TMA and a split schedule (``launch(qd_early=...)``, 0: off): the owner of
+# a tile's last block releases the first QD_EARLY D quarters of q and dO (2 or 3) as soon as
+# its dKV pieces are done with them, and the producer loads the next tile's quarters into
+# them while the last block's remaining pieces run. (One release a block: a predicated
+# mbarrier arrive per quarter made ptxas reload 23 spilled values a block loop under Triton
+# 3.6, split 2, no lengths; one arrive, none.)
+QD_EARLY = 2
 
 
 # mbarrier slots
@@ -903,7 +907,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     # the programs' dQ scratch for the rope columns (zeros; the kernel leaves it zero)
     dqr = torch.zeros((grid, BLOCK_H, rope), dtype=torch.float32, device=q.device) if rope else acc
     sp = _split(partial is not None, split) if rope == 0 else 0
-    tma, early = _qd_loads(q, grad_out, rope, sp, qd_tma, qd_early)
+    tma, early = _qd_loads(q, grad_out, rope, sp, K, qd_tma, qd_early)
     q_arg, do_arg = (_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out)
     _bwd_main_gluon_kernel[(grid,)](
         q_arg, kv, indices, do_arg, lse, delta, grad_q, acc, partial if partial is not None else acc, flags,
@@ -919,10 +923,14 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     )
 
 
-def _qd_loads(q, grad_out, rope: int, split: int, qd_tma=None, qd_early=None) -> tuple[bool, int]:
+def _qd_loads(q, grad_out, rope: int, split: int, K: int, qd_tma=None, qd_early=None) -> tuple[bool, int]:
     """How the producer loads q and dO: (by TMA, quarters released early). TMA where it can
-    address both (``_tma_ok``) at D = 512; the early release with TMA and a split schedule."""
-    tma = bool(QD_TMA if qd_tma is None else qd_tma) and rope == 0 and _tma_ok(q) and _tma_ok(grad_out)
+    address both (``_tma_ok``) at D = 512, by default at K <= ``QD_TMA_MAX_K``; the early
+    release with TMA and a split schedule."""
+    want = QD_TMA if qd_tma is None else qd_tma
+    if want is None:
+        want = K <= QD_TMA_MAX_K
+    tma = bool(want) and rope == 0 and _tma_ok(q) and _tma_ok(grad_out)
     early = int(QD_EARLY if qd_early is None else qd_early)
     if early not in (0, 2, 3):
         raise ValueError(f"qd_early: 0 (off), 2 or 3 quarters, got {early}")
