@@ -11,7 +11,7 @@
 #                                          # under compute-sanitizer initcheck and memcheck
 #   bash benchmarks/gpu_session.sh features  # topk_length and the 576/512 layout (features_bench.py)
 #   bash benchmarks/gpu_session.sh experiments  # A/B: evict_last_bench.py, proto_ab.py, ...
-#   bash benchmarks/gpu_session.sh next   # proto/tma-qdo: its GPU tests, then its A/B next to cuDNN
+#   bash benchmarks/gpu_session.sh next   # q/dO by TMA and early release: their GPU tests, then the A/B next to cuDNN
 #   bash benchmarks/gpu_session.sh ncu-peer  # ncu stall profiles of the fast main kernel and
 #                                          # cuDNN's (benchmarks/experiments/ncu_peer.sh)
 #   bash benchmarks/gpu_session.sh triton-next  # GPU kernel tests and a quick bench under the
@@ -195,7 +195,7 @@ experiments)
   fi
   ;;
 next)
-  # proto/tma-qdo: the GPU tests of q/dO by TMA and of their early release alone under a
+  # The GPU tests of q/dO by TMA and of their early release alone under a
   # short limit (a hang costs this step only), then the A/B next to cuDNN (only if they
   # passed; its rows print as they finish). About 9 minutes.
   timeout ${NEXT_TESTS_TIMEOUT:-200} python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels_gpu.py \

@@ -49,8 +49,13 @@ def kernel_times(fn, calls=5):
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return {e.key[:60]: round(e.device_time_total / calls, 1) for e in prof.key_averages()
-            if e.device_time_total > 0}
+    # (keys cut to 60 characters: kernels that share the prefix, as cuDNN's pre-, main and
+    # post-processing kernels do, are summed, not overwritten)
+    times = {}
+    for e in prof.key_averages():
+        if e.device_time_total > 0:
+            times[e.key[:60]] = times.get(e.key[:60], 0.0) + e.device_time_total / calls
+    return {k: round(v, 1) for k, v in times.items()}
 
 
 def main():
