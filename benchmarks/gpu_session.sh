@@ -30,7 +30,8 @@ export TRITON_CACHE_DIR=$PWD/.cache/triton
 # The image's default g++ (/opt/gcc) builds AOTInductor packages that segfault when loaded.
 [ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++
 # A copied working tree may carry an older .git: results name the commit written to
-# .peers/bench_commit before the run (git rev-parse --short HEAD > .peers/bench_commit).
+# .peers/bench_commit on the machine that sends the run, before it (git rev-parse --short
+# HEAD > .peers/bench_commit; run here, it would read the older .git).
 if [ -z "${BENCH_COMMIT:-}" ] && [ -f .peers/bench_commit ]; then export BENCH_COMMIT=$(cat .peers/bench_commit); fi
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
 
