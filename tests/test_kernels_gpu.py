@@ -164,6 +164,24 @@ def _main(gluon: bool):
     return _gluon_bwd_or_skip() if gluon else backward_triton
 
 
+def _assert_det_bitwise(monkeypatch, main, case, before: dict, after: dict):
+    """The deterministic backward of ``case`` (its lengths, with grad_lse) with the
+    attributes ``before`` set on ``main``, then with ``after``: bitwise equal gradients."""
+    q, kv, idx, sink = make_case(case, DEV)
+    length = make_lengths(case, DEV)
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, case.D ** -0.5, topk_length=length)
+    do, dl = torch.randn_like(out), torch.randn_like(lse)
+
+    def run(attrs):
+        for name, value in attrs.items():
+            monkeypatch.setattr(main, name, value)
+        return kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, case.D ** -0.5, main=main,
+                                   topk_length=length)
+
+    ref = run(before)
+    assert all(torch.equal(a, b) for a, b in zip(ref, run(after)))
+
+
 @pytest.mark.parametrize("case", GLUON_BWD_CASES + [Case(64, 128, 512, 300, 256, ids="shared")], ids=str)
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
 def test_gluon_backward_matches_reference(case, deterministic):
@@ -184,18 +202,7 @@ def test_gluon_backward_with_split_roles_matches_reference(monkeypatch, case, de
     if split == (main.SPLIT_ROLES_DET if deterministic else main.SPLIT_ROLES):
         pytest.skip("this Triton's default schedule: test_gluon_backward_matches_reference runs it")
     if deterministic:
-        q, kv, idx, sink = make_case(case, DEV)
-        length = make_lengths(case, DEV)
-        out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, case.D ** -0.5, topk_length=length)
-        do, dl = torch.randn_like(out), torch.randn_like(lse)
-
-        def run():
-            return kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, case.D ** -0.5, main=main,
-                                       topk_length=length)
-
-        shipped = run()
-        monkeypatch.setattr(main, "SPLIT_ROLES_DET", split)
-        assert all(torch.equal(a, b) for a, b in zip(shipped, run()))
+        _assert_det_bitwise(monkeypatch, main, case, {}, {"SPLIT_ROLES_DET": split})
     monkeypatch.setattr(main, "SPLIT_ROLES", split)
     monkeypatch.setattr(main, "SPLIT_ROLES_DET", split)
     check_backward(case, DEV, deterministic=deterministic, main=main)
@@ -222,23 +229,10 @@ def test_gluon_backward_with_qd_early_release_matches_reference(monkeypatch, cas
     the deterministic case), and the deterministic mode bitwise equal to split 2 with the
     cp.async loads (the same products; only when the next tile's loads start differs)."""
     main = _gluon_bwd_or_skip(case.H)
-    q, kv, idx, sink = make_case(case, DEV)
     monkeypatch.setattr(main, "SPLIT_ROLES", 2)
     monkeypatch.setattr(main, "SPLIT_ROLES_DET", 2)
-    if deterministic:
-        length = make_lengths(case, DEV)
-        out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, case.D ** -0.5, topk_length=length)
-        do, dl = torch.randn_like(out), torch.randn_like(lse)
-
-        def run():
-            return kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, case.D ** -0.5, main=main,
-                                       topk_length=length)
-
-        monkeypatch.setattr(main, "QD_TMA", False)  # cp.async
-        split2 = run()
-        monkeypatch.setattr(main, "QD_TMA", True)
-        monkeypatch.setattr(main, "QD_EARLY", early)
-        assert all(torch.equal(a, b) for a, b in zip(split2, run()))
+    if deterministic:  # against cp.async
+        _assert_det_bitwise(monkeypatch, main, case, {"QD_TMA": False}, {"QD_TMA": True, "QD_EARLY": early})
     monkeypatch.setattr(main, "QD_TMA", True)
     monkeypatch.setattr(main, "QD_EARLY", early)
     check_backward(case, DEV, deterministic=deterministic, main=main)
@@ -252,21 +246,9 @@ def test_gluon_backward_with_qd_tma_matches_reference(monkeypatch, case, determi
     the deterministic mode bitwise equal to the cp.async loads (the same tiles in shared
     memory, the same products)."""
     main = _gluon_bwd_or_skip(case.H)
-    q, kv, idx, sink = make_case(case, DEV)
-    assert main._tma_ok(q)
-    if deterministic:
-        length = make_lengths(case, DEV)
-        out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, case.D ** -0.5, topk_length=length)
-        do, dl = torch.randn_like(out), torch.randn_like(lse)
-
-        def run():
-            return kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, case.D ** -0.5, main=main,
-                                       topk_length=length)
-
-        monkeypatch.setattr(main, "QD_TMA", False)  # cp.async
-        cp_async = run()
-        monkeypatch.setattr(main, "QD_TMA", True)
-        assert all(torch.equal(a, b) for a, b in zip(cp_async, run()))
+    assert main._tma_ok(make_case(case, DEV)[0])
+    if deterministic:  # against cp.async
+        _assert_det_bitwise(monkeypatch, main, case, {"QD_TMA": False}, {"QD_TMA": True})
     monkeypatch.setattr(main, "QD_TMA", True)
     check_backward(case, DEV, deterministic=deterministic, main=main)
 
