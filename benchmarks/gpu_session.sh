@@ -11,7 +11,8 @@
 #                                          # under compute-sanitizer initcheck and memcheck
 #   bash benchmarks/gpu_session.sh features  # topk_length and the 576/512 layout (features_bench.py)
 #   bash benchmarks/gpu_session.sh experiments  # A/B: evict_last_bench.py, proto_ab.py, ...
-#   bash benchmarks/gpu_session.sh next   # q/dO by TMA and early release: their GPU tests, then the A/B next to cuDNN
+#   bash benchmarks/gpu_session.sh next   # the GPU tests of an option (NEXT_TESTS, a -k expression), then
+#                                          # its A/B next to cuDNN (NEXT_BENCH, a script in experiments/)
 #   bash benchmarks/gpu_session.sh ncu-peer  # ncu stall profiles of the fast main kernel and
 #                                          # cuDNN's (benchmarks/experiments/ncu_peer.sh)
 #   bash benchmarks/gpu_session.sh triton-next  # GPU kernel tests and a quick bench under the
@@ -196,16 +197,16 @@ experiments)
   fi
   ;;
 next)
-  # The GPU tests of q/dO by TMA and of their early release alone under a
-  # short limit (a hang costs this step only), then the A/B next to cuDNN (only if they
-  # passed; its rows print as they finish). About 9 minutes.
+  # The GPU tests of an option alone under a short limit (a hang costs this step only), then
+  # its A/B next to cuDNN (only if they passed; its rows print as they finish). Default: dQ
+  # by TMA (dq_tma_bench.py). About 9 minutes.
   timeout ${NEXT_TESTS_TIMEOUT:-200} python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels_gpu.py \
-    -k "qd_tma or qd_early" 2>&1 | tail -6 | tee "$OUT/next_tests.log"
+    -k "${NEXT_TESTS:-dq_by_tma}" 2>&1 | tail -6 | tee "$OUT/next_tests.log"
   ok=$(grep -c " passed" "$OUT/next_tests.log"); grep -q -E "failed|error" "$OUT/next_tests.log" && ok=0
   if [ "$ok" -gt 0 ]; then
     timeout 120 bash .peers/cudnn_dsa/install.sh > "$OUT/cudnn_install.log" 2>&1
-    PYTHONPATH=$PYTHONPATH:/tmp/cudnn_site timeout ${NEXT_BENCH_TIMEOUT:-330} python3 benchmarks/experiments/qd_tma_bench.py \
-      .peers/cudnn_dsa 2>&1 | tee "$OUT/qd_tma.jsonl"
+    PYTHONPATH=$PYTHONPATH:/tmp/cudnn_site timeout ${NEXT_BENCH_TIMEOUT:-330} python3 \
+      benchmarks/experiments/${NEXT_BENCH:-dq_tma_bench.py} .peers/cudnn_dsa 2>&1 | tee "$OUT/next_bench.jsonl"
   fi
   ;;
 ncu-peer)

@@ -224,7 +224,7 @@ def compile_forward_gluon(has_sink=True, run_ptxas=True, has_len=False, rope=0) 
 
 
 def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None, rope=0,
-                           evict_last=False, split=0, qd_tma=False, qd_early=0) -> dict:
+                           evict_last=False, split=0, qd_tma=False, qd_early=0, dq_tma=False) -> dict:
     """``red``: the fast mode (16-byte reductions, in whole lines unless ``lines`` is False;
     default: as the launcher does); else the deterministic partial rows."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
@@ -240,5 +240,10 @@ def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None,
         types = {**BWD_TYPES, "Q": desc, "DO": desc}
         consts["QD_TMA"] = True
         consts["QD_EARLY"] = qd_early
+    if dq_tma:  # dQ as the same kind of descriptor (launch: _qd_descriptor(grad_q))
+        from triton.experimental.gluon import language as gl
+        layout = gl.NVMMASharedLayout.get_default_for([1, G.BLOCK_H, 128], gl.bfloat16)
+        types = {**types, "DQ": f"tensordesc<bf16[1, {G.BLOCK_H}, 128],{layout!r}>"}
+        consts["DQ_TMA"] = True
     return compile_sm90(G._bwd_main_gluon_kernel, types, consts, hopper.NUM_WARPS, 1, BWD_DIV16,
                         run_ptxas, maxnreg=hopper.MAXNREG)

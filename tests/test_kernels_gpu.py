@@ -253,6 +253,25 @@ def test_gluon_backward_with_qd_tma_matches_reference(monkeypatch, case, determi
     check_backward(case, DEV, deterministic=deterministic, main=main)
 
 
+@pytest.mark.parametrize("split", [0, 1, 2], ids=["unsplit", "single", "double"])
+@pytest.mark.parametrize("case", _EARLY_CASES + [Case(300, 64, 512, 900, 640, ids="deepseek", lengths=True),
+                                                 Case(40, 16, 512, 300, 200, ids="dup", noncontig=True)],
+                         ids=str)
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+def test_gluon_backward_with_dq_by_tma_matches_reference(monkeypatch, case, deterministic, split):
+    """dQ staged in the tile's q quarters and stored by TMA (``backward_gluon.DQ_TMA``), in
+    every schedule: against the float64 oracle (tiles of 0, 1 and many blocks, lengths with
+    empty tiles, padding heads, a head-block pair; poisoned grad_q, so an unwritten element
+    fails), and the deterministic mode bitwise equal to the plain stores (the same values)."""
+    main = _gluon_bwd_or_skip(case.H)
+    monkeypatch.setattr(main, "SPLIT_ROLES", split)
+    monkeypatch.setattr(main, "SPLIT_ROLES_DET", split)
+    if deterministic:
+        _assert_det_bitwise(monkeypatch, main, case, {"DQ_TMA": False}, {"DQ_TMA": True})
+    monkeypatch.setattr(main, "DQ_TMA", True)
+    check_backward(case, DEV, deterministic=deterministic, main=main)
+
+
 def test_backward_without_grad_lse():
     check_backward(Case(16, 64, 512, 200, 160, ids="deepseek"), DEV, with_dlse=False)
 

@@ -47,7 +47,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .common import cuda_properties
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON_VERSION, TensorDescriptor,
                      async_load, balanced_order, fake_group_base, hopper_rejects, load_ids, red_f32x4_fake,
-                     red_f32x4_lines, st_f32x4_fake, thread_barrier, tile_token, tma_load)
+                     red_f32x4_lines, st_f32x4_fake, thread_barrier, tile_token, tma_load, tma_store,
+                     tma_store_wait)
 
 NAME = "gluon_sm90"
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -92,6 +93,12 @@ QD_TMA_MAX_K = 256 if TRITON_VERSION == (3, 6) else -1
 # mbarrier arrive per quarter made ptxas reload 23 spilled values a block loop under Triton
 # 3.6, split 2, no lengths; one arrive, none.)
 QD_EARLY = 2
+# dQ staged in the tile's own q quarters and stored by TMA (``launch(dq_tma=...)``), not by
+# 64 four-byte stores a thread from the wgmma layout: those queue in the SM's load/store
+# path behind the last block's reductions, and without them a tile takes 5-11 us less
+# (docs/performance/backward.md#a-tiles-fixed-cost-taken-apart). Not with the early
+# release (the next tile's first quarters then land in q while the last block runs).
+DQ_TMA = False
 
 
 # mbarrier slots
@@ -250,7 +257,7 @@ def _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN: gl.constexpr):
 
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr,
-              EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr = 0):
+              EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr, DQ_TMA: gl.constexpr):
     io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired = args
     H, N, K = sizes
     LEN = io[7]
@@ -265,10 +272,11 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
         if SPLIT:
             _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
                                 pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT,
-                                EARLY)
+                                EARLY, DQ_TMA)
         else:
             _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
-                          pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST)
+                          pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST,
+                          DQ_TMA)
         tcount += 1
         bcount += nb_t
 
@@ -393,9 +401,27 @@ def _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG: gl.conste
 
 
 @gluon.jit
+def _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG: gl.constexpr):
+    """Consumer WG's half of the tile's dQ value columns through its q quarters (2 WG and
+    2 WG + 1, free of readers) and two TMA stores into DQ, a [T, H, D] descriptor of
+    [1, 64, 128] boxes (heads past H are not written); returns once the TMA has read them."""
+    q_smem.index(2 * WG).store(dq0.to(q_smem.dtype))
+    q_smem.index(2 * WG + 1).store(dq1.to(q_smem.dtype))
+    fence_async_shared()
+    thread_barrier()
+    t32 = pid_t.to(gl.int32)  # (TMA coordinates are 32-bit)
+    h32 = (pid_h * _BH).to(gl.int32)
+    for c in gl.static_range(2):
+        tma_store(DQ, [t32, h32, (2 * WG + c) * _QD], q_smem.index(2 * WG + c).reshape([1, _BH, _QD]))
+    tma_store_wait(0)
+    thread_barrier()  # (the thread that issued the stores has seen them read)
+
+
+@gluon.jit
 def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb,
                         tcount, paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr,
-                        EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr):
+                        EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr,
+                        DQ_TMA: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG``, the block's roles split in time:
     the owner of block g (g % 2 == WG) computes S, dP, P and dS, both consumers add dS KV
     to their halves of dQ, and then the owner forms all of the block's dKV rows (8 pieces
@@ -507,9 +533,21 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
 
     if EARLY > 0:  # (the last block's owner released the first quarters already)
         mbarrier.arrive(bars.index(_QD_FREE_EARLY), pred=(nb_t == 0) | ((g0 + nb_t - 1) % 2 != WG))
+    if DQ_TMA:
+        # My dQ half goes through my q quarters, which the last block's owner reads in its
+        # dKV pieces: wait until it has (its arrival on the block's P/dS barrier comes after
+        # its last wgmma; the owner itself passes at once).
+        last = g0 + nb_t - 1
+        if nb_t > 0:
+            if SPLIT == 2:
+                mbarrier.wait(bars.index(_PDS2_FREE + (last & 1)), (last >> 1) & 1)
+            else:
+                mbarrier.wait(bars.index(_PDS_FREE), last & 1)
+        _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
     mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
 
-    _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
+    if not DQ_TMA:
+        _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
 
 
 @gluon.jit
@@ -567,7 +605,7 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
 @gluon.jit
 def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb, tcount,
                   paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr,
-                  ROPE: gl.constexpr, EVICT_LAST: gl.constexpr):
+                  ROPE: gl.constexpr, EVICT_LAST: gl.constexpr, DQ_TMA: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1): slot blocks 0..nb_t-1
     (the first of them the barriers' ``g0``-th), ids past slot ``k_end`` masked; ``nb``
     blocks per token in the partial-row buffer."""
@@ -716,9 +754,12 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         if follower:  # (pacing only: no ordering needed)
             gl.atomic_add(done_ptr, 1, sem="relaxed", scope="gpu")
 
+    if DQ_TMA:  # (my q quarters: read by my dKV pieces only, and by S of blocks all done)
+        _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
     mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
 
-    _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
+    if not DQ_TMA:
+        _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
     if ROPE > 0:  # my rope columns of dQ: taken from the scratch, which is left zero
         # (column c of the scratch row sits at fake_col(c); relaxed: the adds above are this
         # thread's own)
@@ -750,6 +791,7 @@ def _bwd_main_gluon_kernel(
     SPLIT: gl.constexpr = 0,
     QD_TMA: gl.constexpr = False,
     QD_EARLY: gl.constexpr = 0,
+    DQ_TMA: gl.constexpr = False,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
@@ -757,6 +799,8 @@ def _bwd_main_gluon_kernel(
     gl.static_assert(not QD_TMA or ROPE == 0, "q and dO by TMA: D = 512 (no score-only columns)")
     gl.static_assert(QD_EARLY == 0 or (QD_TMA and SPLIT > 0 and (QD_EARLY == 2 or QD_EARLY == 3)),
                      "q and dO released early: 2 or 3 quarters, by TMA, split schedules")
+    gl.static_assert(not DQ_TMA or (ROPE == 0 and QD_EARLY == 0),
+                     "dQ by TMA: D = 512, q's quarters not released early")
     if QD_TMA:
         dtype: gl.constexpr = Q.dtype
     else:
@@ -813,28 +857,28 @@ def _bwd_main_gluon_kernel(
     # consumers get setmaxnreg budgets).
     if ROPE > 0:
         gl.warp_specialize([(_producer_rope, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 2:
         gl.warp_specialize([(_producer_qd_early2, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 3:
         gl.warp_specialize([(_producer_qd_early3, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_TMA:
         gl.warp_specialize([(_producer_qd_tma, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     else:
         gl.warp_specialize([(_producer, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
@@ -887,7 +931,7 @@ def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, lines=None, order=None, evict_last=None, split=None,
-           qd_tma=None, qd_early=None):
+           qd_tma=None, qd_early=None, dq_tma=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -908,9 +952,13 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     dqr = torch.zeros((grid, BLOCK_H, rope), dtype=torch.float32, device=q.device) if rope else acc
     sp = _split(partial is not None, split) if rope == 0 else 0
     tma, early = _qd_loads(q, grad_out, rope, sp, K, qd_tma, qd_early)
+    dq_by_tma = bool(DQ_TMA if dq_tma is None else dq_tma) and rope == 0 and _tma_ok(grad_q)
+    if dq_by_tma:
+        early = 0
     q_arg, do_arg = (_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out)
+    dq_arg = _qd_descriptor(grad_q) if dq_by_tma else grad_q
     _bwd_main_gluon_kernel[(grid,)](
-        q_arg, kv, indices, do_arg, lse, delta, grad_q, acc, partial if partial is not None else acc, flags,
+        q_arg, kv, indices, do_arg, lse, delta, dq_arg, acc, partial if partial is not None else acc, flags,
         topk_length if topk_length is not None else indices, order if order is not None else indices, dqr,
         H, N, K, t_begin, n_tiles, int(paired),
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
@@ -918,7 +966,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         scale, scale_log2,
         D=grad_out.shape[-1], RED=red_mode(partial is not None, lines), HAS_LEN=topk_length is not None,
         EVICT_LAST=bool(RED_EVICT_LAST if evict_last is None else evict_last) and partial is None,
-        ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early,
+        ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma,
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
 

@@ -146,6 +146,9 @@ if gl is not None:
     async_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
     # TMA tile load into shared memory (3.7+: async_load)
     tma_load = getattr(_tma, "async_load", None) or _tma.async_copy_global_to_shared
+    # TMA tile store from shared memory, and the wait for its reads of shared memory
+    tma_store = getattr(_tma, "async_store", None) or _tma.async_copy_shared_to_global
+    tma_store_wait = _tma.store_wait
     # barrier of the threads of a partition (3.7+: gl.barrier)
     thread_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 

@@ -1,0 +1,65 @@
+"""The backward with dQ staged in the tile's q quarters and stored by TMA
+(``backward_gluon.launch(dq_tma=True)``) against the shipped stores (64 four-byte stores a
+thread from the wgmma layout), both modes, A, B, A, B in one process, next to cuDNN's.
+
+    PYTHONPATH=src:/tmp/cudnn_site python benchmarks/experiments/dq_tma_bench.py [PEER_DIR]
+
+Prediction (docs/performance/backward.md#a-tiles-fixed-cost-taken-apart): without its dQ
+stores the fast backward's tile takes 5-11 us less (tile_ablation_bench.py: H128 K1152 126
+-> 115 us, H64 K640 77 -> 70); staged and stored by TMA they leave the SM's load/store
+path, at the price of the next tile's q/dO load waiting for the staging (about 1 us): 5-8%
+less time in the fast mode at K >= 512 (H128 K1152 7.8 -> 7.2-7.4 ms, 1.03-1.06x cuDNN),
+more at K = 128-160; the deterministic mode (its partial-row stores in the same path) 2-5%
+less, bitwise equal.
+"""
+import json
+
+import torch
+
+import dsv4_sparse_attn  # noqa: F401
+from dsv4_sparse_attn.kernels import backward as kbwd
+from dsv4_sparse_attn.kernels import backward_gluon
+from side_by_side import bench, inputs, relerr
+from side_by_side import cudnn_peer as load_peer
+
+D = 512
+cudnn_peer = load_peer()
+shapes = [(4096, 64, 640), (4096, 128, 1152), (4096, 128, 512), (4096, 16, 1152), (4096, 32, 1152),
+          (32768, 64, 640), (4096, 128, 128), (4096, 64, 160)]
+for T, H, K in shapes:
+    q, kv, idx, sink, do, out, lse = inputs(T, H, K, D)
+    scale = D ** -0.5
+    fl = 10 * T * H * K * D
+    r = dict(T=T, H=H, K=K)
+
+    def run(det, dq_tma, **kw):
+        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon,
+                                   deterministic=det, dq_tma=dq_tma, **kw)
+
+    arms = [("fast", False, False, {}), ("fast_dqtma", False, True, {}),
+            ("fast_dqtma_qdtma", False, True, {"qd_tma": True}),
+            ("det", True, False, {}), ("det_dqtma", True, True, {})]
+    ref = run(True, False)
+    got = run(True, True)
+    r["det_dqtma_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(ref, got))
+    got = run(False, True)
+    r["fast_dqtma_err_dq"] = relerr(got[0].float(), ref[0].float())
+    r["fast_dqtma_err_dkv"] = relerr(got[1].float(), ref[1].float())
+    ref = got = None
+    fns = {name: (lambda det=det, t=t, kw=kw: run(det, t, **kw)) for name, det, t, kw in arms}
+    if cudnn_peer is not None:
+        try:
+            fns["cudnn"] = cudnn_peer.make_bwd(q, kv, idx, sink, scale, out, lse, do)
+            fns["cudnn"]()
+        except Exception as e:  # noqa: BLE001
+            r["cudnn_error"] = str(e)[:200]
+            fns.pop("cudnn", None)
+    for rep in range(2):  # A, B, A, B: the better of two
+        for name, fn in fns.items():
+            r.setdefault(f"{name}_ms", []).append(bench(fn))
+    for k in [k for k in r if k.endswith("_ms")]:
+        r[k] = min(r[k])
+        r[k.replace("_ms", "_tflops")] = round(fl / r[k] / 1e9, 1)
+    print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+    q = kv = idx = do = out = lse = fns = None
+    torch.cuda.empty_cache()
