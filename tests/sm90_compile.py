@@ -125,8 +125,10 @@ def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stag
         mma_loops=None,
         # reductions with an L2 cache policy operand (hopper.red_f32x4_lines(EVICT_LAST=True))
         evict_last_reductions=len(re.findall(r"red\.[\w.]*L2::cache_hint", ptx)),
-        # TMA tile loads (cp.async.bulk.tensor) in the PTX: q and dO with backward_gluon.QD_TMA
-        tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+        # TMA tile loads (cp.async.bulk.tensor, shared <- global) in the PTX: q and dO with
+        # backward_gluon.QD_TMA; stores (global <- shared): dQ with backward_gluon.DQ_TMA
+        tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared", ptx)),
+        tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global", ptx)),
         ptx_sha=ptx_fingerprint(ptx),
     )  # (left None only when run_ptxas is off)
     if run_ptxas:

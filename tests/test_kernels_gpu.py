@@ -258,17 +258,19 @@ def test_gluon_backward_with_qd_tma_matches_reference(monkeypatch, case, determi
                                                  Case(40, 16, 512, 300, 200, ids="dup", noncontig=True)],
                          ids=str)
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
-def test_gluon_backward_with_dq_by_tma_matches_reference(monkeypatch, case, deterministic, split):
-    """dQ staged in the tile's q quarters and stored by TMA (``backward_gluon.DQ_TMA``), in
-    every schedule: against the float64 oracle (tiles of 0, 1 and many blocks, lengths with
-    empty tiles, padding heads, a head-block pair; poisoned grad_q, so an unwritten element
-    fails), and the deterministic mode bitwise equal to the plain stores (the same values)."""
+def test_gluon_backward_with_the_other_dq_stores_matches_reference(monkeypatch, case, deterministic, split):
+    """dQ stored the way this Triton does not by default (``backward_gluon.DQ_TMA``: staged in
+    the tile's q quarters and stored by TMA, or 64 stores a thread), in every schedule:
+    against the float64 oracle (tiles of 0, 1 and many blocks, lengths with empty tiles,
+    padding heads, a head-block pair; poisoned grad_q, so an unwritten element fails), and
+    the deterministic mode bitwise equal to the default (the same values)."""
     main = _gluon_bwd_or_skip(case.H)
     monkeypatch.setattr(main, "SPLIT_ROLES", split)
     monkeypatch.setattr(main, "SPLIT_ROLES_DET", split)
+    other = not main.DQ_TMA
     if deterministic:
-        _assert_det_bitwise(monkeypatch, main, case, {"DQ_TMA": False}, {"DQ_TMA": True})
-    monkeypatch.setattr(main, "DQ_TMA", True)
+        _assert_det_bitwise(monkeypatch, main, case, {}, {"DQ_TMA": other})
+    monkeypatch.setattr(main, "DQ_TMA", other)
     check_backward(case, DEV, deterministic=deterministic, main=main)
 
 

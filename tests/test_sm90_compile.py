@@ -231,13 +231,31 @@ def test_gluon_backward_qd_early_release_compiles_for_sm90(red, early):
 
 
 @pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])
+@pytest.mark.parametrize("red,split", [(False, 0), (True, 0), (True, 1), (True, 2)],
+                         ids=["deterministic", "fast-unsplit", "fast-single", "fast-double"])
+def test_gluon_backward_dq_tma_compiles_for_sm90(red, split, has_len):
+    """dQ staged in the tile's q quarters and stored by TMA (``backward_gluon.DQ_TMA``): two
+    TMA stores a consumer, the same shared memory, and the block loops as with the plain
+    stores (the same wgmmas, reductions and stores, no more reloads)."""
+    base = compile_backward_gluon(red=red, split=split, has_len=has_len)
+    r = compile_backward_gluon(red=red, split=split, has_len=has_len, dq_tma=True)
+    assert base["tma_stores"] == 0 and r["tma_stores"] == 4, (base["tma_stores"], r["tma_stores"])
+    assert r["shared"] <= base["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
+    assert len(r["mma_loops"]) == 2, r["mma_loops"]
+    for lp, lb in zip(r["mma_loops"], base["mma_loops"]):
+        assert (lp["HGMMA"], lp["REDG4"], lp["STG"]) == (lb["HGMMA"], lb["REDG4"], lb["STG"]), (lp, lb)
+        assert lp["LDL"] <= lb["LDL"], (lp, lb)
+
+
+@pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])
 def test_gluon_backward_default_schedule_reloads_nothing(has_len):
     """The fast mode's default schedule on this Triton (``backward_gluon.SPLIT_ROLES``: split
     roles where their loops are clean, Triton 3.6 and 3.8) has no spill reload in its block
     loops up to 3.8, and no more than the unsplit schedule's under 3.9."""
     from dsv4_sparse_attn.kernels import backward_gluon
 
-    r = compile_backward_gluon(red=True, has_len=has_len, split=backward_gluon._split(False, None))
+    r = compile_backward_gluon(red=True, has_len=has_len, split=backward_gluon._split(False, None),
+                               dq_tma=backward_gluon.DQ_TMA)
     assert r["wgmma_serialized"] is False and len(r["mma_loops"]) == 2, r
     assert all(lp["LDL"] <= _reload_allowance(True, has_len) for lp in r["mma_loops"]), r["mma_loops"]
 

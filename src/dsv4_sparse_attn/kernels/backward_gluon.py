@@ -81,9 +81,10 @@ SPLIT_ROLES_DET = 0
 # by TMA); heads past H come in as zeros, as the cp.async masks make them. Taken where TMA
 # can address the tensors (the last dim contiguous, 16-byte aligned base and strides), D =
 # 512 without score-only columns; else cp.async. Measured with the early release below
-# (H200, Triton 3.6; docs/performance/backward.md#q-and-do-by-tma): 3.5-7.6% less time where
-# a tile has few blocks (K = 128-160), within the run's spread at K >= 512; so ``None`` (the
-# default) takes it at K <= QD_TMA_MAX_K, under the Triton it was measured with only.
+# (H200, Triton 3.6; docs/performance/backward.md#q-and-do-by-tma-and-their-early-release-measured):
+# 3.5-6.6% less time where a tile has few blocks (K = 128-160), within the run's spread at
+# K >= 512; so ``None`` (the default) takes it at K <= QD_TMA_MAX_K, under the Triton it was
+# measured with only. (With dQ by TMA the early release below is off.)
 QD_TMA = None
 QD_TMA_MAX_K = 256 if TRITON_VERSION == (3, 6) else -1
 # With q and dO by TMA and a split schedule (``launch(qd_early=...)``, 0: off): the owner of
@@ -97,8 +98,9 @@ QD_EARLY = 2
 # 64 four-byte stores a thread from the wgmma layout: those queue in the SM's load/store
 # path behind the last block's reductions, and without them a tile takes 5-11 us less
 # (docs/performance/backward.md#a-tiles-fixed-cost-taken-apart). Not with the early
-# release (the next tile's first quarters then land in q while the last block runs).
-DQ_TMA = False
+# release (the next tile's first quarters then land in q while the last block runs), so
+# where dQ goes by TMA the early release is off. On where measured: Triton 3.6.
+DQ_TMA = TRITON_VERSION == (3, 6)
 
 
 # mbarrier slots
