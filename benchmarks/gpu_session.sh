@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_session.sh experiments  # A/B: evict_last_bench.py, proto_ab.py, ...
 #   bash benchmarks/gpu_session.sh next   # the GPU tests of an option (NEXT_TESTS, a -k expression), then
 #                                          # its A/B next to cuDNN (NEXT_BENCH, a script in experiments/)
+#   bash benchmarks/gpu_session.sh ablate  # a tile's work taken apart (tile_ablation_bench.py)
 #   bash benchmarks/gpu_session.sh ncu-peer  # ncu stall profiles of the fast main kernel and
 #                                          # cuDNN's (benchmarks/experiments/ncu_peer.sh)
 #   bash benchmarks/gpu_session.sh triton-next  # GPU kernel tests and a quick bench under the
@@ -209,6 +210,15 @@ next)
       benchmarks/experiments/${NEXT_BENCH:-dq_tma_bench.py} .peers/cudnn_dsa 2>&1 | tee "$OUT/next_bench.jsonl"
   fi
   ;;
+ablate)
+  # Parts of a tile taken out of the fast backward over a K sweep (tile_ablation_bench.py);
+  # the arms compile in parallel processes first.
+  timeout 120 bash .peers/cudnn_dsa/install.sh > "$OUT/cudnn_install.log" 2>&1
+  printf '%s\n' 0 1 2 4 8 7 | timeout 200 xargs -P 6 -I{} env ABLATE_WARM={} python3 \
+    benchmarks/experiments/tile_ablation_bench.py 2>&1 | tail -3
+  PYTHONPATH=$PYTHONPATH:/tmp/cudnn_site timeout 200 python3 benchmarks/experiments/tile_ablation_bench.py \
+    .peers/cudnn_dsa 2>&1 | tee "$OUT/tile_ablation.jsonl"
+  ;;
 ncu-peer)
   # The fast backward next to cuDNN's: kernel times over a K sweep, then ncu stall profiles (about 5 minutes)
   timeout 120 bash .peers/cudnn_dsa/install.sh > "$OUT/cudnn_install.log" 2>&1 || { echo "no cuDNN peer kit"; exit 2; }
@@ -240,6 +250,6 @@ triton-next)
   fi
   ;;
 *)
-  echo "usage: bash benchmarks/gpu_session.sh tests|bench|sweep|properties|sanitize-properties|features|experiments|next|ncu-peer|triton-next" >&2; exit 2
+  echo "usage: bash benchmarks/gpu_session.sh tests|bench|sweep|properties|sanitize-properties|features|experiments|next|ablate|ncu-peer|triton-next" >&2; exit 2
   ;;
 esac

@@ -1,6 +1,8 @@
 """The backward with dQ staged in the tile's q quarters and stored by TMA
-(``backward_gluon.launch(dq_tma=True)``) against the shipped stores (64 four-byte stores a
-thread from the wgmma layout), both modes, A, B, A, B in one process, next to cuDNN's.
+(``backward_gluon.launch(dq_tma=1)``), or staged in the kv block's buffer (``dq_tma=2``),
+against the plain stores (``dq_tma=0``: 64 four-byte stores a thread from the wgmma
+layout), both modes, A, B, A, B in one process, next to cuDNN's. (Run first at c631e59 with
+arms 0 and 1 and 1 with q and dO by TMA at every K.)
 
     PYTHONPATH=src:/tmp/cudnn_site python benchmarks/experiments/dq_tma_bench.py [PEER_DIR]
 
@@ -10,7 +12,9 @@ stores the fast backward's tile takes 5-11 us less (tile_ablation_bench.py: H128
 path, at the price of the next tile's q/dO load waiting for the staging (about 1 us): 5-8%
 less time in the fast mode at K >= 512 (H128 K1152 7.8 -> 7.2-7.4 ms, 1.03-1.06x cuDNN),
 more at K = 128-160; the deterministic mode (its partial-row stores in the same path) 2-5%
-less, bitwise equal.
+less, bitwise equal. Through the kv buffer (docs/performance/backward.md#dq-by-tma): the
+next tile's q/dO load no longer waits for the staging, only its first gather does, which
+the q/dO load covers: most of the rest of the 7-11 us, 3-6% beyond dq_tma=1 at K >= 512.
 """
 import json
 
@@ -36,15 +40,15 @@ for T, H, K in shapes:
         return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon,
                                    deterministic=det, dq_tma=dq_tma, **kw)
 
-    arms = [("fast", False, False, {}), ("fast_dqtma", False, True, {}),
-            ("fast_dqtma_qdtma", False, True, {"qd_tma": True}),
-            ("det", True, False, {}), ("det_dqtma", True, True, {})]
-    ref = run(True, False)
-    got = run(True, True)
-    r["det_dqtma_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(ref, got))
-    got = run(False, True)
-    r["fast_dqtma_err_dq"] = relerr(got[0].float(), ref[0].float())
-    r["fast_dqtma_err_dkv"] = relerr(got[1].float(), ref[1].float())
+    arms = [("fast", False, 0, {}), ("fast_dqtma", False, 1, {}), ("fast_dqtma_kv", False, 2, {}),
+            ("det", True, 0, {}), ("det_dqtma", True, 1, {}), ("det_dqtma_kv", True, 2, {})]
+    ref = run(True, 0)
+    for name, mode in (("dqtma", 1), ("dqtma_kv", 2)):
+        got = run(True, mode)
+        r[f"det_{name}_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(ref, got))
+        got = run(False, mode)
+        r[f"fast_{name}_err_dq"] = relerr(got[0].float(), ref[0].float())
+        r[f"fast_{name}_err_dkv"] = relerr(got[1].float(), ref[1].float())
     ref = got = None
     fns = {name: (lambda det=det, t=t, kw=kw: run(det, t, **kw)) for name, det, t, kw in arms}
     if cudnn_peer is not None:

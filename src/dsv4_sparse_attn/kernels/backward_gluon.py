@@ -115,6 +115,7 @@ _PDS2_READY = gl.constexpr(9)  # + P/dS buffer: SPLIT == 2 double-buffers P and 
 _PDS2_FREE = gl.constexpr(11)  # + P/dS buffer
 _N_BARS = gl.constexpr(13)
 _QD_FREE_EARLY = gl.constexpr(13)  # q's and dO's first QD_EARLY quarters (QD_EARLY: one more barrier)
+_DQS_FREE = gl.constexpr(13)  # DQ_TMA == 2: the kv buffer's dQ staging read by the TMA (never with QD_EARLY)
 # How many slot blocks a pair's leader may run ahead of its follower's adds (see
 # _consume_tile). H200, T=4096, H=128: 0 (lockstep) -8.8% backward time against no pacing
 # at K=1152 and K=512, 1 -7.5%, 2 -4%, 4 -1%
@@ -132,32 +133,38 @@ _DQ_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4,
 
 
 @gluon.jit
-def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 0, False, 0)
+def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
+              ABL: gl.constexpr, DQS: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, DQS, 0, False, 0)
 
 
 @gluon.jit
-def _producer_rope(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 64, False, 0)
+def _producer_rope(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
+                   ABL: gl.constexpr, DQS: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, DQS, 64, False, 0)
 
 
 @gluon.jit
-def _producer_qd_tma(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 0, True, 0)
+def _producer_qd_tma(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
+                     ABL: gl.constexpr, DQS: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, DQS, 0, True, 0)
 
 
 @gluon.jit
-def _producer_qd_early2(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 0, True, 2)
+def _producer_qd_early2(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
+                        ABL: gl.constexpr, DQS: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, DQS, 0, True, 2)
 
 
 @gluon.jit
-def _producer_qd_early3(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, 0, True, 3)
+def _producer_qd_early3(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
+                        ABL: gl.constexpr, DQS: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, DQS, 0, True, 3)
 
 
 @gluon.jit
-def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr, ROPE: gl.constexpr,
+def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr, ABL: gl.constexpr,
+             DQS: gl.constexpr, ROPE: gl.constexpr,
              QD_TMA: gl.constexpr, EARLY: gl.constexpr):
     # (ROPE, QD_TMA and EARLY arrive as literals from the _producer* wrappers: a constexpr passed
     # through warp_specialize's argument tuple reaches the partition as a plain value, and
@@ -204,9 +211,10 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
             h64 = h[:, None].to(gl.int64)
             q_ptrs = Q + pid_t * stride_qt + h64 * stride_qh + offs_d[None, :]
             do_ptrs = DO + pid_t * stride_dt + h64 * stride_dh + offs_d[None, :]
-            for c in gl.static_range(4):
-                async_load(q_smem.index(c), q_ptrs + c * _QD, mask=h_ok)
-                async_load(do_smem.index(c), do_ptrs + c * _QD, mask=h_ok)
+            if (ABL & 2) == 0 or tcount == 0:  # (ablation 2: the first tile's q and dO only)
+                for c in gl.static_range(4):
+                    async_load(q_smem.index(c), q_ptrs + c * _QD, mask=h_ok)
+                    async_load(do_smem.index(c), do_ptrs + c * _QD, mask=h_ok)
             if ROPE > 0:
                 hr = pid_h * _BH + offs_rr
                 async_load(qr_smem.index(0), Q + pid_t * stride_qt + hr[:, None].to(gl.int64) * stride_qh
@@ -215,6 +223,8 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
 
         idx_row = IDX + pid_t * stride_it
         ids = load_ids(idx_row, 0, k_end, offs_r)
+        if DQS:  # the kv buffer holds the previous tile's dQ until the TMA has read it
+            mbarrier.wait(bars.index(_DQS_FREE), (tcount & 1) ^ 1)
         for j in range(0, nb_t):
             free_phase = ((g0 + j) & 1) ^ 1
             ids64 = ids.to(gl.int64)
@@ -259,7 +269,8 @@ def _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN: gl.constexpr):
 
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr,
-              EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr, DQ_TMA: gl.constexpr):
+              EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr, DQ_TMA: gl.constexpr,
+              ABL: gl.constexpr):
     io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired = args
     H, N, K = sizes
     LEN = io[7]
@@ -274,11 +285,11 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
         if SPLIT:
             _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
                                 pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT,
-                                EARLY, DQ_TMA)
+                                EARLY, DQ_TMA, ABL)
         else:
             _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
                           pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST,
-                          DQ_TMA)
+                          DQ_TMA, ABL)
         tcount += 1
         bcount += nb_t
 
@@ -298,7 +309,7 @@ def _head_rows(LSE, DELTA, H, pid_t, pid_h, stride_lt, row_l: gl.constexpr):
 
 
 @gluon.jit
-def _tile_start(LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it):
+def _tile_start(LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it, ABL: gl.constexpr = 0):
     """What both consumer schedules set up at a tile's start: its heads (``_head_rows``),
     the slot and column offsets in S's wgmma layout (a dKV piece, [_BK slots, 64 columns],
     has that layout too: each thread holds two slot rows and pairs of adjacent columns),
@@ -306,7 +317,13 @@ def _tile_start(LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it):
     s_l: gl.constexpr = _S_L
     row_l: gl.constexpr = gl.SliceLayout(1, s_l)
     col_l: gl.constexpr = gl.SliceLayout(0, s_l)
-    row_ok, lse2, delta = _head_rows(LSE, DELTA, H, pid_t, pid_h, stride_lt, row_l)
+    if ABL & 4:  # (ablation 4: no lse / Delta loads: lse and Delta 0)
+        h_row = pid_h * _BH + gl.arange(0, _BH, layout=row_l)
+        row_ok = h_row < H
+        lse2 = gl.zeros([_BH], gl.float32, layout=row_l)
+        delta = lse2
+    else:
+        row_ok, lse2, delta = _head_rows(LSE, DELTA, H, pid_t, pid_h, stride_lt, row_l)
     offs_c = gl.arange(0, _BK, layout=col_l)
     offs_dd = gl.arange(0, 64, layout=col_l)
     offs_ks = gl.arange(0, _BK, layout=row_l)
@@ -367,7 +384,8 @@ def _scores(q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars, z, ph, ids, N, s_
 
 
 @gluon.jit
-def _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED: gl.constexpr, D: gl.constexpr):
+def _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED: gl.constexpr, D: gl.constexpr,
+              ABL: gl.constexpr = 0):
     """Where block j's dKV rows go, a thread's two rows (``_row_pair``): the fast mode's
     accumulator rows by id, with ``on`` 0 for a masked slot; else the tile's partial rows."""
     if RED:
@@ -382,6 +400,8 @@ def _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED: gl.con
         # contend for that one row: 46 ms instead of 8.7 at H128 K1152 with causal ids.)
         row_ptr = ACC + gl.where(valid_k, ids_k, 0) * D
         on = valid_k.to(gl.int32)
+        if ABL & 8:  # (ablation 8: every reduction predicated off, at run time: still issued)
+            on = on * (N < 0).to(gl.int32)
     else:
         on = offs_kz  # (unused on this path)
         # (the buffer's slot dim is padded to whole blocks: stores need no mask)
@@ -403,18 +423,19 @@ def _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG: gl.conste
 
 
 @gluon.jit
-def _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG: gl.constexpr):
-    """Consumer WG's half of the tile's dQ value columns through its q quarters (2 WG and
-    2 WG + 1, free of readers) and two TMA stores into DQ, a [T, H, D] descriptor of
-    [1, 64, 128] boxes (heads past H are not written); returns once the TMA has read them."""
-    q_smem.index(2 * WG).store(dq0.to(q_smem.dtype))
-    q_smem.index(2 * WG + 1).store(dq1.to(q_smem.dtype))
+def _store_dq_tma(DQ, dq0, dq1, buf, pid_t, pid_h, WG: gl.constexpr):
+    """Consumer WG's half of the tile's dQ value columns through quarters 2 WG and 2 WG + 1
+    of ``buf`` (q's or the kv block's [4, 64, 128] buffer, those quarters free of readers)
+    and two TMA stores into DQ, a [T, H, D] descriptor of [1, 64, 128] boxes (heads past H
+    are not written); returns once the TMA has read them."""
+    buf.index(2 * WG).store(dq0.to(buf.dtype))
+    buf.index(2 * WG + 1).store(dq1.to(buf.dtype))
     fence_async_shared()
     thread_barrier()
     t32 = pid_t.to(gl.int32)  # (TMA coordinates are 32-bit)
     h32 = (pid_h * _BH).to(gl.int32)
     for c in gl.static_range(2):
-        tma_store(DQ, [t32, h32, (2 * WG + c) * _QD], q_smem.index(2 * WG + c).reshape([1, _BH, _QD]))
+        tma_store(DQ, [t32, h32, (2 * WG + c) * _QD], buf.index(2 * WG + c).reshape([1, _BH, _QD]))
     tma_store_wait(0)
     thread_barrier()  # (the thread that issued the stores has seen them read)
 
@@ -423,7 +444,7 @@ def _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG: gl.constexpr):
 def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb,
                         tcount, paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr,
                         EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr,
-                        DQ_TMA: gl.constexpr):
+                        DQ_TMA: gl.constexpr, ABL: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG``, the block's roles split in time:
     the owner of block g (g % 2 == WG) computes S, dP, P and dS, both consumers add dS KV
     to their halves of dQ, and then the owner forms all of the block's dKV rows (8 pieces
@@ -454,7 +475,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     dtype: gl.constexpr = q_smem.dtype
 
     row_ok, lse2, delta, offs_c, offs_dd, offs_ks, idx_row, s_zero, dq_zero, dkv_zero = _tile_start(
-        LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it)
+        LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it, ABL)
     dq0 = dq_zero
     dq1 = dq_zero
     # head-block pairs (deterministic path): see _consume_tile
@@ -502,7 +523,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
             # All of the block's dKV rows: P^T dO + dS^T Q, 64 columns at a time, each piece
             # sent while the next one's wgmma runs.
             offs_kz = _row_pair(offs_ks + z)
-            row_ptr, on = _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED, D)
+            row_ptr, on = _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED, D, ABL)
             acc = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 0, dkv_zero)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             nxt = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 1, dkv_zero)
@@ -535,7 +556,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
 
     if EARLY > 0:  # (the last block's owner released the first quarters already)
         mbarrier.arrive(bars.index(_QD_FREE_EARLY), pred=(nb_t == 0) | ((g0 + nb_t - 1) % 2 != WG))
-    if DQ_TMA:
+    if DQ_TMA == 1:
         # My dQ half goes through my q quarters, which the last block's owner reads in its
         # dKV pieces: wait until it has (its arrival on the block's P/dS barrier comes after
         # its last wgmma; the owner itself passes at once).
@@ -545,10 +566,15 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
                 mbarrier.wait(bars.index(_PDS2_FREE + (last & 1)), (last >> 1) & 1)
             else:
                 mbarrier.wait(bars.index(_PDS_FREE), last & 1)
-        _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
+        if (ABL & 1) == 0:  # (ablation 1: no dQ stores)
+            _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
     mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
+    if DQ_TMA == 2:  # through my kv half: free since my dQ of the last block (S and dP came before)
+        if (ABL & 1) == 0:
+            _store_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
+        mbarrier.arrive(bars.index(_DQS_FREE))  # the producer may gather the next tile's blocks
 
-    if not DQ_TMA:
+    if not DQ_TMA and (ABL & 1) == 0:
         _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
 
 
@@ -607,7 +633,7 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
 @gluon.jit
 def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb, tcount,
                   paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr,
-                  ROPE: gl.constexpr, EVICT_LAST: gl.constexpr, DQ_TMA: gl.constexpr):
+                  ROPE: gl.constexpr, EVICT_LAST: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1): slot blocks 0..nb_t-1
     (the first of them the barriers' ``g0``-th), ids past slot ``k_end`` masked; ``nb``
     blocks per token in the partial-row buffer."""
@@ -620,7 +646,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     dtype: gl.constexpr = q_smem.dtype
 
     row_ok, lse2, delta, offs_c, offs_dd, offs_ks, idx_row, s_zero, dq_zero, dkv_zero = _tile_start(
-        LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it)
+        LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it, ABL)
     dq0 = dq_zero
     dq1 = dq_zero
     # ROPE: consumer WG owns the rope columns [32 WG, 32 WG + 32) of dQ and of the dKV rows.
@@ -715,7 +741,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         # (offsets built from z stay in the loop: hoisted, they would spill; the second row's
         # from the first's, in the loop too)
         offs_kz = _row_pair(offs_ks + z)
-        row_ptr, on = _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED, D)
+        row_ptr, on = _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED, D, ABL)
         # Four 64-column pieces (32 registers each next to dQ's 128); each piece's adds
         # are issued while the next piece's wgmma runs.
         acc = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + z, 0, dkv_zero)
@@ -756,11 +782,15 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         if follower:  # (pacing only: no ordering needed)
             gl.atomic_add(done_ptr, 1, sem="relaxed", scope="gpu")
 
-    if DQ_TMA:  # (my q quarters: read by my dKV pieces only, and by S of blocks all done)
+    if DQ_TMA == 1 and (ABL & 1) == 0:  # (my q quarters: read by my pieces only, and by S of blocks done)
         _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
     mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
+    if DQ_TMA == 2:  # through my kv half: free since my dQ of the last block (S and dP came before)
+        if (ABL & 1) == 0:
+            _store_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
+        mbarrier.arrive(bars.index(_DQS_FREE))  # the producer may gather the next tile's blocks
 
-    if not DQ_TMA:
+    if not DQ_TMA and (ABL & 1) == 0:  # (ablation 1: no dQ stores)
         _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
     if ROPE > 0:  # my rope columns of dQ: taken from the scratch, which is left zero
         # (column c of the scratch row sits at fake_col(c); relaxed: the adds above are this
@@ -793,7 +823,8 @@ def _bwd_main_gluon_kernel(
     SPLIT: gl.constexpr = 0,
     QD_TMA: gl.constexpr = False,
     QD_EARLY: gl.constexpr = 0,
-    DQ_TMA: gl.constexpr = False,
+    DQ_TMA: gl.constexpr = 0,
+    ABL: gl.constexpr = 0,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
@@ -803,6 +834,7 @@ def _bwd_main_gluon_kernel(
                      "q and dO released early: 2 or 3 quarters, by TMA, split schedules")
     gl.static_assert(not DQ_TMA or (ROPE == 0 and QD_EARLY == 0),
                      "dQ by TMA: D = 512, q's quarters not released early")
+    gl.static_assert(DQ_TMA == 0 or DQ_TMA == 1 or DQ_TMA == 2, "dQ by TMA: 1 through q, 2 through kv")
     if QD_TMA:
         dtype: gl.constexpr = Q.dtype
     else:
@@ -823,9 +855,9 @@ def _bwd_main_gluon_kernel(
     else:  # (never read)
         qr_smem = p_smem
         kvr_smem = ds_smem
-    if QD_EARLY > 0:
+    if QD_EARLY > 0 or DQ_TMA == 2:
         bars = gl.allocate_shared_memory(gl.int64, [_N_BARS + 1, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(bars.index(_QD_FREE_EARLY), count=2)
+        mbarrier.init(bars.index(_QD_FREE_EARLY), count=2)  # (or _DQS_FREE: the same slot)
     else:
         bars = gl.allocate_shared_memory(gl.int64, [_N_BARS, 1], mbarrier.MBarrierLayout())
     # cp.async arrivals of the producer's threads, or the TMA tiles' expect
@@ -854,33 +886,34 @@ def _bwd_main_gluon_kernel(
               (scale, scale_log2), t_begin, n_tiles, nb, rank, paired)
     p_args = ((Q, DO, KV, IDX, LEN, ORDER), sizes,
               (stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it),
-              (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars), t_begin, n_tiles, nb, rank, HAS_LEN)
+              (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars), t_begin, n_tiles, nb, rank, HAS_LEN, ABL,
+              DQ_TMA == 2)
     # The producer is the default partition (ptxas compiles it under MAXNREG; the
     # consumers get setmaxnreg budgets).
     if ROPE > 0:
         gl.warp_specialize([(_producer_rope, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 2:
         gl.warp_specialize([(_producer_qd_early2, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 3:
         gl.warp_specialize([(_producer_qd_early3, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_TMA:
         gl.warp_specialize([(_producer_qd_tma, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     else:
         gl.warp_specialize([(_producer, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
@@ -933,13 +966,17 @@ def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, lines=None, order=None, evict_last=None, split=None,
-           qd_tma=None, qd_early=None, dq_tma=None):
+           qd_tma=None, qd_early=None, dq_tma=None, ablate=0):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
     ``flags``: ``flags_per_chunk`` int32 zeros. ``topk_length``: int32 [T] or None; a
     tile visits the 64-slot blocks that hold its token's slots, the chunk's tokens taken in
-    ``order`` (this chunk's part of ``schedule``; computed here when None)."""
+    ``order`` (this chunk's part of ``schedule``; computed here when None). ``ablate``
+    (measurement only; the gradients are then wrong): parts of a tile's work taken out,
+    a sum of 1 (dQ stores), 2 (q/dO loads after a program's first tile, cp.async path),
+    4 (lse/Delta loads: 0) and 8 (dKV reductions predicated off)
+    (benchmarks/experiments/tile_ablation_bench.py)."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
@@ -954,7 +991,9 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     dqr = torch.zeros((grid, BLOCK_H, rope), dtype=torch.float32, device=q.device) if rope else acc
     sp = _split(partial is not None, split) if rope == 0 else 0
     tma, early = _qd_loads(q, grad_out, rope, sp, K, qd_tma, qd_early)
-    dq_by_tma = bool(DQ_TMA if dq_tma is None else dq_tma) and rope == 0 and _tma_ok(grad_q)
+    dq_by_tma = int(DQ_TMA if dq_tma is None else dq_tma) if rope == 0 and _tma_ok(grad_q) else 0
+    if dq_by_tma not in (0, 1, 2):
+        raise ValueError(f"dq_tma: 0 (off), 1 (through q) or 2 (through kv), got {dq_by_tma}")
     if dq_by_tma:
         early = 0
     q_arg, do_arg = (_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out)
@@ -968,7 +1007,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         scale, scale_log2,
         D=grad_out.shape[-1], RED=red_mode(partial is not None, lines), HAS_LEN=topk_length is not None,
         EVICT_LAST=bool(RED_EVICT_LAST if evict_last is None else evict_last) and partial is None,
-        ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma,
+        ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma, ABL=int(ablate),
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
 
