@@ -37,10 +37,12 @@ export TRITON_CACHE_DIR=$PWD/.cache/triton
 if [ -z "${BENCH_COMMIT:-}" ] && [ -f .peers/bench_commit ]; then export BENCH_COMMIT=$(cat .peers/bench_commit); fi
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
 
+touch /tmp/gpu_session.start
 report() {  # README section and figure from the newest results; everything back to $OUT
   timeout 60 python3 benchmarks/report.py 2>&1 | tail -3
   mkdir -p "$OUT/results"
-  cp benchmarks/results/*.json "$OUT/results/" 2>/dev/null
+  # only this call's results: the device tool returns a limited number of files
+  find benchmarks/results -name '*.json' -newer /tmp/gpu_session.start -exec cp {} "$OUT/results/" \;
   cp README.md "$OUT/README.md"
   cp docs/performance/bench.png "$OUT/bench.png" 2>/dev/null
 }
