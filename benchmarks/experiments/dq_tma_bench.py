@@ -14,7 +14,11 @@ less time in the fast mode at K >= 512 (H128 K1152 7.8 -> 7.2-7.4 ms, 1.03-1.06x
 more at K = 128-160; the deterministic mode (its partial-row stores in the same path) 2-5%
 less, bitwise equal. Through the kv buffer (docs/performance/backward.md#dq-by-tma): the
 next tile's q/dO load no longer waits for the staging, only its first gather does, which
-the q/dO load covers: most of the rest of the 7-11 us, 3-6% beyond dq_tma=1 at K >= 512.
+the q/dO load covers: most of the rest of the 7-11 us, 3-6% beyond dq_tma=1 at K >= 512
+(measured at 0ad96c2: level with dq_tma=1). ``dq_tma=3``, the kv buffer's staging issued
+right after each consumer's dQ of the tile's last block, so that the owner's staging and
+the TMA's read overlap its dKV pieces (prediction: 2-5% less than dq_tma=1 at K >= 512,
+most at H128 K1152, where arm 1 of tile_ablation_bench.py left 5% between them).
 """
 import json
 
@@ -41,9 +45,10 @@ for T, H, K in shapes:
                                    deterministic=det, dq_tma=dq_tma, **kw)
 
     arms = [("fast", False, 0, {}), ("fast_dqtma", False, 1, {}), ("fast_dqtma_kv", False, 2, {}),
-            ("det", True, 0, {}), ("det_dqtma", True, 1, {}), ("det_dqtma_kv", True, 2, {})]
+            ("fast_dqtma_kv_early", False, 3, {}),
+            ("det", True, 0, {}), ("det_dqtma", True, 1, {}), ("det_dqtma_kv_early", True, 3, {})]
     ref = run(True, 0)
-    for name, mode in (("dqtma", 1), ("dqtma_kv", 2)):
+    for name, mode in (("dqtma", 1), ("dqtma_kv", 2), ("dqtma_kv_early", 3)):
         got = run(True, mode)
         r[f"det_{name}_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(ref, got))
         got = run(False, mode)

@@ -99,8 +99,12 @@ QD_EARLY = 2
 # path behind the last block's reductions, and without them a tile takes 5-11 us less
 # (docs/performance/backward.md#a-tiles-fixed-cost-taken-apart). Not with the early
 # release (the next tile's first quarters then land in q while the last block runs), so
-# where dQ goes by TMA the early release is off. On where measured: Triton 3.6.
-DQ_TMA = TRITON_VERSION == (3, 6)
+# where dQ goes by TMA the early release is off. On where measured: Triton 3.6. Options:
+# 2 stages in the kv block's buffer instead (each consumer's half is free after its dQ of
+# the last block; the producer's next gather waits for the TMA's read: measured level with
+# 1), 3 the same issued right after that dQ, so the owner's staging overlaps its dKV
+# pieces (not yet timed); 0 the plain stores.
+DQ_TMA = 1 if TRITON_VERSION == (3, 6) else 0
 
 
 # mbarrier slots
@@ -428,6 +432,13 @@ def _store_dq_tma(DQ, dq0, dq1, buf, pid_t, pid_h, WG: gl.constexpr):
     of ``buf`` (q's or the kv block's [4, 64, 128] buffer, those quarters free of readers)
     and two TMA stores into DQ, a [T, H, D] descriptor of [1, 64, 128] boxes (heads past H
     are not written); returns once the TMA has read them."""
+    _issue_dq_tma(DQ, dq0, dq1, buf, pid_t, pid_h, WG)
+    _dq_tma_read()
+
+
+@gluon.jit
+def _issue_dq_tma(DQ, dq0, dq1, buf, pid_t, pid_h, WG: gl.constexpr):
+    """``_store_dq_tma`` up to the TMA stores' issue (``_dq_tma_read`` waits for their reads)."""
     buf.index(2 * WG).store(dq0.to(buf.dtype))
     buf.index(2 * WG + 1).store(dq1.to(buf.dtype))
     fence_async_shared()
@@ -436,6 +447,10 @@ def _store_dq_tma(DQ, dq0, dq1, buf, pid_t, pid_h, WG: gl.constexpr):
     h32 = (pid_h * _BH).to(gl.int32)
     for c in gl.static_range(2):
         tma_store(DQ, [t32, h32, (2 * WG + c) * _QD], buf.index(2 * WG + c).reshape([1, _BH, _QD]))
+
+
+@gluon.jit
+def _dq_tma_read():
     tma_store_wait(0)
     thread_barrier()  # (the thread that issued the stores has seen them read)
 
@@ -519,6 +534,9 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
         dq1 = warpgroup_mma(ds_smem.index(pb), kv_smem.index(2 * WG + 1 + z), dq1, is_async=True)
         dq0, dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, dq1))
         mbarrier.arrive(bars.index(_KV_FREE + WG))  # my kv half: the next block's gather may start
+        if DQ_TMA == 3:  # the tile's dQ is complete: into my kv half, sent while the pieces run
+            if jj == nb_t - 1:
+                _issue_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
         if mine:
             # All of the block's dKV rows: P^T dO + dS^T Q, 64 columns at a time, each piece
             # sent while the next one's wgmma runs.
@@ -573,6 +591,11 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
         if (ABL & 1) == 0:
             _store_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
         mbarrier.arrive(bars.index(_DQS_FREE))  # the producer may gather the next tile's blocks
+    if DQ_TMA == 3:  # (sent from the last block; a tile without blocks sends its zeros here)
+        if nb_t == 0:
+            _issue_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
+        _dq_tma_read()
+        mbarrier.arrive(bars.index(_DQS_FREE))
 
     if not DQ_TMA and (ABL & 1) == 0:
         _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
@@ -735,6 +758,9 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         else:
             dq0, dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, dq1))
             mbarrier.arrive(bars.index(_KV_FREE + WG))  # my kv half: the next block's gather may start
+            if DQ_TMA == 3:  # the tile's dQ is complete: into my kv half, sent while the pieces run
+                if jj == nb_t - 1:
+                    _issue_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
 
         # dKV rows of this block for my half of D, a quarter at a time: P^T dO + dS^T Q
         # (M = 64 slots, N = 128 columns, K = 64 heads; P and dS read transposed).
@@ -789,6 +815,11 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         if (ABL & 1) == 0:
             _store_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
         mbarrier.arrive(bars.index(_DQS_FREE))  # the producer may gather the next tile's blocks
+    if DQ_TMA == 3:  # (sent from the last block; a tile without blocks sends its zeros here)
+        if nb_t == 0:
+            _issue_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
+        _dq_tma_read()
+        mbarrier.arrive(bars.index(_DQS_FREE))
 
     if not DQ_TMA and (ABL & 1) == 0:  # (ablation 1: no dQ stores)
         _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
@@ -834,7 +865,8 @@ def _bwd_main_gluon_kernel(
                      "q and dO released early: 2 or 3 quarters, by TMA, split schedules")
     gl.static_assert(not DQ_TMA or (ROPE == 0 and QD_EARLY == 0),
                      "dQ by TMA: D = 512, q's quarters not released early")
-    gl.static_assert(DQ_TMA == 0 or DQ_TMA == 1 or DQ_TMA == 2, "dQ by TMA: 1 through q, 2 through kv")
+    gl.static_assert(DQ_TMA >= 0 and DQ_TMA <= 3,
+                     "dQ by TMA: 1 through q, 2 through kv, 3 through kv from the last block on")
     if QD_TMA:
         dtype: gl.constexpr = Q.dtype
     else:
@@ -855,7 +887,7 @@ def _bwd_main_gluon_kernel(
     else:  # (never read)
         qr_smem = p_smem
         kvr_smem = ds_smem
-    if QD_EARLY > 0 or DQ_TMA == 2:
+    if QD_EARLY > 0 or DQ_TMA >= 2:
         bars = gl.allocate_shared_memory(gl.int64, [_N_BARS + 1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(bars.index(_QD_FREE_EARLY), count=2)  # (or _DQS_FREE: the same slot)
     else:
@@ -887,7 +919,7 @@ def _bwd_main_gluon_kernel(
     p_args = ((Q, DO, KV, IDX, LEN, ORDER), sizes,
               (stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it),
               (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars), t_begin, n_tiles, nb, rank, HAS_LEN, ABL,
-              DQ_TMA == 2)
+              DQ_TMA >= 2)
     # The producer is the default partition (ptxas compiles it under MAXNREG; the
     # consumers get setmaxnreg budgets).
     if ROPE > 0:
@@ -992,8 +1024,9 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     sp = _split(partial is not None, split) if rope == 0 else 0
     tma, early = _qd_loads(q, grad_out, rope, sp, K, qd_tma, qd_early)
     dq_by_tma = int(DQ_TMA if dq_tma is None else dq_tma) if rope == 0 and _tma_ok(grad_q) else 0
-    if dq_by_tma not in (0, 1, 2):
-        raise ValueError(f"dq_tma: 0 (off), 1 (through q) or 2 (through kv), got {dq_by_tma}")
+    if dq_by_tma not in (0, 1, 2, 3):
+        raise ValueError(f"dq_tma: 0 (off), 1 (through q), 2 (through kv) or 3 (through kv from the tile's "
+                         f"last block on), got {dq_by_tma}")
     if dq_by_tma:
         early = 0
     q_arg, do_arg = (_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out)
