@@ -437,6 +437,22 @@ def _store_dq_tma(DQ, dq0, dq1, buf, pid_t, pid_h, WG: gl.constexpr):
 
 
 @gluon.jit
+def _dq_through_kv(DQ, dq0, dq1, kv_smem, bars, nb_t, pid_t, pid_h, WG: gl.constexpr, DQ_TMA: gl.constexpr,
+                   ABL: gl.constexpr):
+    """A tile's end with dQ through the kv buffer (``DQ_TMA`` 2 or 3), after q and dO are
+    released: my kv half is free since my dQ of the last block (its S and dP came before);
+    then the producer may gather the next tile's blocks (``_DQS_FREE``)."""
+    if DQ_TMA == 2:
+        if (ABL & 1) == 0:  # (ablation 1: no dQ stores)
+            _store_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
+    else:  # 3: sent from the last block on; a tile without blocks sends its zeros here
+        if nb_t == 0:
+            _issue_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
+        _dq_tma_read()
+    mbarrier.arrive(bars.index(_DQS_FREE))
+
+
+@gluon.jit
 def _issue_dq_tma(DQ, dq0, dq1, buf, pid_t, pid_h, WG: gl.constexpr):
     """``_store_dq_tma`` up to the TMA stores' issue (``_dq_tma_read`` waits for their reads)."""
     buf.index(2 * WG).store(dq0.to(buf.dtype))
@@ -587,15 +603,8 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
         if (ABL & 1) == 0:  # (ablation 1: no dQ stores)
             _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
     mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
-    if DQ_TMA == 2:  # through my kv half: free since my dQ of the last block (S and dP came before)
-        if (ABL & 1) == 0:
-            _store_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
-        mbarrier.arrive(bars.index(_DQS_FREE))  # the producer may gather the next tile's blocks
-    if DQ_TMA == 3:  # (sent from the last block; a tile without blocks sends its zeros here)
-        if nb_t == 0:
-            _issue_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
-        _dq_tma_read()
-        mbarrier.arrive(bars.index(_DQS_FREE))
+    if DQ_TMA >= 2:
+        _dq_through_kv(DQ, dq0, dq1, kv_smem, bars, nb_t, pid_t, pid_h, WG, DQ_TMA, ABL)
 
     if not DQ_TMA and (ABL & 1) == 0:
         _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
@@ -811,15 +820,8 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     if DQ_TMA == 1 and (ABL & 1) == 0:  # (my q quarters: read by my pieces only, and by S of blocks done)
         _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
     mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
-    if DQ_TMA == 2:  # through my kv half: free since my dQ of the last block (S and dP came before)
-        if (ABL & 1) == 0:
-            _store_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
-        mbarrier.arrive(bars.index(_DQS_FREE))  # the producer may gather the next tile's blocks
-    if DQ_TMA == 3:  # (sent from the last block; a tile without blocks sends its zeros here)
-        if nb_t == 0:
-            _issue_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
-        _dq_tma_read()
-        mbarrier.arrive(bars.index(_DQS_FREE))
+    if DQ_TMA >= 2:
+        _dq_through_kv(DQ, dq0, dq1, kv_smem, bars, nb_t, pid_t, pid_h, WG, DQ_TMA, ABL)
 
     if not DQ_TMA and (ABL & 1) == 0:  # (ablation 1: no dQ stores)
         _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
