@@ -119,7 +119,7 @@ _PDS2_READY = gl.constexpr(9)  # + P/dS buffer: SPLIT == 2 double-buffers P and 
 _PDS2_FREE = gl.constexpr(11)  # + P/dS buffer
 _N_BARS = gl.constexpr(13)
 _QD_FREE_EARLY = gl.constexpr(13)  # q's and dO's first QD_EARLY quarters (QD_EARLY: one more barrier)
-_DQS_FREE = gl.constexpr(13)  # DQ_TMA == 2: the kv buffer's dQ staging read by the TMA (never with QD_EARLY)
+_DQS_FREE = gl.constexpr(13)  # DQ_TMA >= 2: the kv buffer's dQ staging read by the TMA (never with QD_EARLY)
 # How many slot blocks a pair's leader may run ahead of its follower's adds (see
 # _consume_tile). H200, T=4096, H=128: 0 (lockstep) -8.8% backward time against no pacing
 # at K=1152 and K=512, 1 -7.5%, 2 -4%, 4 -1%
