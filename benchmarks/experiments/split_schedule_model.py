@@ -10,7 +10,16 @@ variants (per-consumer flags, no follower wait, pacing one block too far). With
 ``early`` (``backward_gluon.QD_EARLY``: the last block's owner releases q's and dO's first
 2 or 3 D quarters once its dKV pieces are done with them, and the producer loads the next
 tile's quarters into them) it checks that no quarter is replaced while a consumer still
-reads it, and that the check catches a release at every owned block.
+reads it, and that the check catches a release at every owned block. With ``dq``
+(``backward_gluon.DQ_TMA``: each consumer stages its dQ half in shared memory for a TMA
+store at the tile's end; 1 in its q quarters after waiting for the last block's P/dS
+barrier, 2 in its kv half with one more barrier before the producer's next gather, 3 the
+same staged right after its dQ of the last block; a tile without blocks through q) it
+checks that no staged dQ is read as q or kv and none is overwritten before the TMA has read
+it, and that the check catches mode 1 without the wait and mode 2 without the producer's
+wait. (Its first form counted the kv staging's phases over all tiles: consumers can finish
+a tile without blocks before the producer reaches that wait, and the phase then aliased,
+a deadlock in 6% of the interleavings.)
 
     python benchmarks/experiments/split_schedule_model.py     # prints the counts, exits 1 on failure
 
@@ -37,10 +46,10 @@ class Bar:
         return (self.done & 1) != parity
 
 
-def program(role, nbs, split, shared, pair_tile, bug, early=0):
+def program(role, nbs, split, shared, pair_tile, bug, early=0, dq=0):
     bars = dict(QD_READY=Bar(1), QD_FREE=Bar(2), KV_READY0=Bar(1), KV_READY1=Bar(1), KV_FREE0=Bar(1),
                 KV_FREE1=Bar(1), PDS_READY=Bar(1), PDS_FREE=Bar(2), R0=Bar(1), R1=Bar(1), F0=Bar(2),
-                F1=Bar(2), QD_FREE_EARLY=Bar(2))
+                F1=Bar(2), QD_FREE_EARLY=Bar(2), DQS_FREE=Bar(2))
     st = dict(q=[None] * 4, kv=[None, None], p=[None, None])  # q: the tile in each D quarter
     g0s, g = [], 0
     for n in nbs:
@@ -48,6 +57,7 @@ def program(role, nbs, split, shared, pair_tile, bug, early=0):
         g += n
 
     def producer():
+        dcount = 0
         for t, n in enumerate(nbs):
             if early:  # the first quarters as soon as they are released (the earliest a load lands)
                 yield ("QD_FREE_EARLY", (t & 1) ^ 1)
@@ -55,12 +65,29 @@ def program(role, nbs, split, shared, pair_tile, bug, early=0):
             yield ("QD_FREE", (t & 1) ^ 1)
             st["q"][early:] = [t] * (4 - early)
             bars["QD_READY"].arrive()
+            # the kv buffer's staging of the last tile with blocks read by the TMA (counted over
+            # tiles with blocks: consumers finish a tile without blocks without this producer)
+            if bug == "dq phases over all tiles":  # (the first form)
+                yield ("DQS_FREE", (t & 1) ^ 1)
+            elif dq >= 2 and n > 0 and bug != "dq gather early":
+                yield ("DQS_FREE", (dcount & 1) ^ 1)
+            dcount += n > 0
             for j in range(n):
                 g = g0s[t] + j
                 for h in range(2):
                     yield (f"KV_FREE{h}", (g & 1) ^ 1)
                     st["kv"][h] = g
                     bars[f"KV_READY{h}"].arrive()
+
+    def stage(buf, wg, t):  # my dQ half into two quarters of q, or into my kv half
+        if buf == "q":
+            st["q"][2 * wg:2 * wg + 2] = [("dq", t)] * 2
+        else:
+            st["kv"][wg] = ("dq", t)
+
+    def tma_read(buf, wg, t):  # the TMA reads what was staged
+        staged = st["q"][2 * wg:2 * wg + 2] if buf == "q" else [st["kv"][wg]]
+        assert all(x == ("dq", t) for x in staged), ("dQ overwritten before the TMA read it", t, st)
 
     def consumer(wg):
         fl, dn, rows = shared["flag"], shared["done"], shared["rows"]
@@ -85,6 +112,8 @@ def program(role, nbs, split, shared, pair_tile, bug, early=0):
                 assert st["p"][pb] == g and st["kv"][wg] == g, ("dQ", g, st)
                 yield ("step",)
                 bars[f"KV_FREE{wg}"].arrive()
+                if dq == 3 and j == n - 1:  # the tile's dQ is complete: staged now, read later
+                    stage("kv", wg, t)
                 if mine:
                     paired = t == pair_tile
                     cls = wg if bug == "per-consumer flags" else j % 2
@@ -112,7 +141,28 @@ def program(role, nbs, split, shared, pair_tile, bug, early=0):
                     bars[free].arrive()
             if early and (n == 0 or (g0s[t] + n - 1) % 2 != wg):  # not the last block's owner
                 bars["QD_FREE_EARLY"].arrive()
+            all_tiles = bug == "dq phases over all tiles"
+            if dq >= 2 and n == 0 and not all_tiles:  # (a tile without blocks: through q, read by no one)
+                stage("q", wg, t)
+                yield ("step",)
+                tma_read("q", wg, t)
+            if dq == 1:  # through my q quarters, once the last block's owner has read them
+                last = g0s[t] + n - 1
+                if n > 0 and bug != "dq no wait":
+                    if split == 2:
+                        yield (f"F{last & 1}", (last >> 1) & 1)
+                    else:
+                        yield ("PDS_FREE", last & 1)
+                stage("q", wg, t)
+                yield ("step",)
+                tma_read("q", wg, t)
             bars["QD_FREE"].arrive()
+            if dq >= 2 and (n > 0 or all_tiles):  # through my kv half
+                if dq == 2 or n == 0:
+                    stage("kv", wg, t)
+                yield ("step",)
+                tma_read("kv", wg, t)
+                bars["DQS_FREE"].arrive()
 
     def ready(w):
         if w[0] == "step":
@@ -124,7 +174,7 @@ def program(role, nbs, split, shared, pair_tile, bug, early=0):
     return [producer(), consumer(0), consumer(1)], ready
 
 
-def run(seed, split, bug=None, early=0):
+def run(seed, split, bug=None, early=0, dq=0):
     rnd = random.Random(seed)
     n_pair = rnd.randint(1, 7)
     tiles = [[rnd.randint(0, 5) for _ in range(rnd.randint(0, 2))] for _ in range(2)]
@@ -132,7 +182,7 @@ def run(seed, split, bug=None, early=0):
     shared = dict(flag=[0, 0], done=[0, 0], rows=[None] * n_pair)
     agents, ready = [], []
     for role, pre, post in zip(("leader", "follower"), tiles, after):
-        a, r = program(role, pre + [n_pair] + post, split, shared, len(pre), bug, early)
+        a, r = program(role, pre + [n_pair] + post, split, shared, len(pre), bug, early, dq)
         agents += a
         ready += [r] * 3
     waiting, alive = [None] * 6, [True] * 6
@@ -148,21 +198,25 @@ def run(seed, split, bug=None, early=0):
     return "ok" if all(r == "added" for r in shared["rows"]) else "rows not added"
 
 
-def failures(split, bug=None, seeds=3000, early=0):
+def failures(split, bug=None, seeds=3000, early=0, dq=0):
     out = 0
     for seed in range(seeds):
         try:
-            out += run(seed, split, bug, early) != "ok"
+            out += run(seed, split, bug, early, dq) != "ok"
         except AssertionError:
             out += 1
     return out
 
 
 if __name__ == "__main__":
-    good = {(split, early): failures(split, early=early) for split in (1, 2) for early in (0, 2, 3)}
+    good = {(split, early, 0): failures(split, early=early) for split in (1, 2) for early in (0, 2, 3)}
+    good.update({(split, 0, dq): failures(split, dq=dq) for split in (1, 2) for dq in (1, 2, 3)})
     bugs = ("per-consumer flags", "no follower wait", "pacing too far")
     caught = {bug: failures(1, bug, 500) for bug in bugs}
     caught["early every block"] = failures(2, "early every block", 500, early=2)
-    print("interleavings failing of 3000, (split, early quarters):", good)
+    caught["dq no wait"] = failures(2, "dq no wait", 500, dq=1)
+    caught["dq gather early"] = failures(2, "dq gather early", 500, dq=2)
+    caught["dq phases over all tiles"] = failures(2, "dq phases over all tiles", 500, dq=2)
+    print("interleavings failing of 3000, (split, early quarters, dQ by TMA):", good)
     print("broken variants, interleavings failing of 500:", caught)
     sys.exit(0 if not any(good.values()) and all(caught.values()) else 1)

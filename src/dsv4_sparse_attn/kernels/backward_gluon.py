@@ -188,6 +188,7 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
     n_hb = gl.cdiv(H, _BH)
     tcount = 0
     bcount = 0  # slot blocks gathered so far (the barriers' phases)
+    dcount = 0  # tiles with blocks so far (DQS: the kv staging barrier's phases)
     for tile in range(rank, n_tiles, gl.num_programs(0)):
         pid_t = t_begin + tile_token(ORDER, tile // n_hb, HAS_LEN)
         pid_h = tile % n_hb
@@ -227,8 +228,13 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
 
         idx_row = IDX + pid_t * stride_it
         ids = load_ids(idx_row, 0, k_end, offs_r)
-        if DQS:  # the kv buffer holds the previous tile's dQ until the TMA has read it
-            mbarrier.wait(bars.index(_DQS_FREE), (tcount & 1) ^ 1)
+        if DQS:  # the kv buffer holds the last tile's dQ until the TMA has read it
+            # (phases counted over tiles with blocks: the consumers finish a tile without
+            # blocks, which stages through q, before this wait, and a count over all tiles
+            # would then alias: benchmarks/experiments/split_schedule_model.py)
+            if nb_t > 0:
+                mbarrier.wait(bars.index(_DQS_FREE), (dcount & 1) ^ 1)
+            dcount += (nb_t > 0).to(gl.int32)
         for j in range(0, nb_t):
             free_phase = ((g0 + j) & 1) ^ 1
             ids64 = ids.to(gl.int64)
@@ -437,17 +443,15 @@ def _store_dq_tma(DQ, dq0, dq1, buf, pid_t, pid_h, WG: gl.constexpr):
 
 
 @gluon.jit
-def _dq_through_kv(DQ, dq0, dq1, kv_smem, bars, nb_t, pid_t, pid_h, WG: gl.constexpr, DQ_TMA: gl.constexpr,
+def _dq_through_kv(DQ, dq0, dq1, kv_smem, bars, pid_t, pid_h, WG: gl.constexpr, DQ_TMA: gl.constexpr,
                    ABL: gl.constexpr):
-    """A tile's end with dQ through the kv buffer (``DQ_TMA`` 2 or 3), after q and dO are
-    released: my kv half is free since my dQ of the last block (its S and dP came before);
-    then the producer may gather the next tile's blocks (``_DQS_FREE``)."""
+    """The end of a tile with blocks, dQ through the kv buffer (``DQ_TMA`` 2 or 3), after q
+    and dO are released: my kv half is free since my dQ of the last block (its S and dP came
+    before); then the producer may gather the next tile's blocks (``_DQS_FREE``)."""
     if DQ_TMA == 2:
         if (ABL & 1) == 0:  # (ablation 1: no dQ stores)
             _store_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
-    else:  # 3: sent from the last block on; a tile without blocks sends its zeros here
-        if nb_t == 0:
-            _issue_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
+    else:  # 3: sent from the last block on
         _dq_tma_read()
     mbarrier.arrive(bars.index(_DQS_FREE))
 
@@ -602,9 +606,13 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
                 mbarrier.wait(bars.index(_PDS_FREE), last & 1)
         if (ABL & 1) == 0:  # (ablation 1: no dQ stores)
             _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
+    if DQ_TMA >= 2:  # (a tile without blocks: through q, which no one reads then)
+        if nb_t == 0:
+            _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
     mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
     if DQ_TMA >= 2:
-        _dq_through_kv(DQ, dq0, dq1, kv_smem, bars, nb_t, pid_t, pid_h, WG, DQ_TMA, ABL)
+        if nb_t > 0:
+            _dq_through_kv(DQ, dq0, dq1, kv_smem, bars, pid_t, pid_h, WG, DQ_TMA, ABL)
 
     if not DQ_TMA and (ABL & 1) == 0:
         _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
@@ -819,9 +827,13 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
 
     if DQ_TMA == 1 and (ABL & 1) == 0:  # (my q quarters: read by my pieces only, and by S of blocks done)
         _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
+    if DQ_TMA >= 2:  # (a tile without blocks: through q, which no one reads then)
+        if nb_t == 0:
+            _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
     mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
     if DQ_TMA >= 2:
-        _dq_through_kv(DQ, dq0, dq1, kv_smem, bars, nb_t, pid_t, pid_h, WG, DQ_TMA, ABL)
+        if nb_t > 0:
+            _dq_through_kv(DQ, dq0, dq1, kv_smem, bars, pid_t, pid_h, WG, DQ_TMA, ABL)
 
     if not DQ_TMA and (ABL & 1) == 0:  # (ablation 1: no dQ stores)
         _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
