@@ -443,6 +443,37 @@ def _store_dq_tma(DQ, dq0, dq1, buf, pid_t, pid_h, WG: gl.constexpr):
 
 
 @gluon.jit
+def _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, kv_smem, bars, g0, nb_t,
+                 WG: gl.constexpr, SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr):
+    """The end of consumer WG's tile in either schedule (``SPLIT`` 0: unsplit): its dQ half
+    out (``DQ_TMA``: 0 plain stores, 1 through its q quarters, 2 or 3 through its kv half)
+    and q and dO released to the producer (``_QD_FREE``)."""
+    if DQ_TMA == 1:
+        # My q quarters: in the split schedules the last block's owner reads every quarter in
+        # its dKV pieces, so wait until it has (its arrival on the block's P/dS barrier comes
+        # after its last wgmma; the owner itself passes at once); unsplit, only my own pieces
+        # read them, and the S of every block came before.
+        if SPLIT > 0:
+            last = g0 + nb_t - 1
+            if nb_t > 0:
+                if SPLIT == 2:
+                    mbarrier.wait(bars.index(_PDS2_FREE + (last & 1)), (last >> 1) & 1)
+                else:
+                    mbarrier.wait(bars.index(_PDS_FREE), last & 1)
+        if (ABL & 1) == 0:  # (ablation 1: no dQ stores)
+            _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
+    if DQ_TMA >= 2:  # (a tile without blocks: through q, which no one reads then)
+        if nb_t == 0:
+            _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
+    mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
+    if DQ_TMA >= 2:
+        if nb_t > 0:
+            _dq_through_kv(DQ, dq0, dq1, kv_smem, bars, pid_t, pid_h, WG, DQ_TMA, ABL)
+    if not DQ_TMA and (ABL & 1) == 0:  # (ablation 1: no dQ stores)
+        _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
+
+
+@gluon.jit
 def _dq_through_kv(DQ, dq0, dq1, kv_smem, bars, pid_t, pid_h, WG: gl.constexpr, DQ_TMA: gl.constexpr,
                    ABL: gl.constexpr):
     """The end of a tile with blocks, dQ through the kv buffer (``DQ_TMA`` 2 or 3), after q
@@ -594,28 +625,8 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
 
     if EARLY > 0:  # (the last block's owner released the first quarters already)
         mbarrier.arrive(bars.index(_QD_FREE_EARLY), pred=(nb_t == 0) | ((g0 + nb_t - 1) % 2 != WG))
-    if DQ_TMA == 1:
-        # My dQ half goes through my q quarters, which the last block's owner reads in its
-        # dKV pieces: wait until it has (its arrival on the block's P/dS barrier comes after
-        # its last wgmma; the owner itself passes at once).
-        last = g0 + nb_t - 1
-        if nb_t > 0:
-            if SPLIT == 2:
-                mbarrier.wait(bars.index(_PDS2_FREE + (last & 1)), (last >> 1) & 1)
-            else:
-                mbarrier.wait(bars.index(_PDS_FREE), last & 1)
-        if (ABL & 1) == 0:  # (ablation 1: no dQ stores)
-            _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
-    if DQ_TMA >= 2:  # (a tile without blocks: through q, which no one reads then)
-        if nb_t == 0:
-            _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
-    mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
-    if DQ_TMA >= 2:
-        if nb_t > 0:
-            _dq_through_kv(DQ, dq0, dq1, kv_smem, bars, pid_t, pid_h, WG, DQ_TMA, ABL)
-
-    if not DQ_TMA and (ABL & 1) == 0:
-        _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
+    _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, kv_smem, bars, g0, nb_t, WG,
+                 SPLIT, DQ_TMA, ABL)
 
 
 @gluon.jit
@@ -825,18 +836,8 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         if follower:  # (pacing only: no ordering needed)
             gl.atomic_add(done_ptr, 1, sem="relaxed", scope="gpu")
 
-    if DQ_TMA == 1 and (ABL & 1) == 0:  # (my q quarters: read by my pieces only, and by S of blocks done)
-        _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
-    if DQ_TMA >= 2:  # (a tile without blocks: through q, which no one reads then)
-        if nb_t == 0:
-            _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
-    mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
-    if DQ_TMA >= 2:
-        if nb_t > 0:
-            _dq_through_kv(DQ, dq0, dq1, kv_smem, bars, pid_t, pid_h, WG, DQ_TMA, ABL)
-
-    if not DQ_TMA and (ABL & 1) == 0:  # (ablation 1: no dQ stores)
-        _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
+    _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, kv_smem, bars, g0, nb_t, WG, 0,
+                 DQ_TMA, ABL)
     if ROPE > 0:  # my rope columns of dQ: taken from the scratch, which is left zero
         # (column c of the scratch row sits at fake_col(c); relaxed: the adds above are this
         # thread's own)
@@ -1037,10 +1038,11 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     dqr = torch.zeros((grid, BLOCK_H, rope), dtype=torch.float32, device=q.device) if rope else acc
     sp = _split(partial is not None, split) if rope == 0 else 0
     tma, early = _qd_loads(q, grad_out, rope, sp, K, qd_tma, qd_early)
-    dq_by_tma = int(DQ_TMA if dq_tma is None else dq_tma) if rope == 0 and _tma_ok(grad_q) else 0
-    if dq_by_tma not in (0, 1, 2, 3):
+    dq_want = int(DQ_TMA if dq_tma is None else dq_tma)
+    if dq_want not in (0, 1, 2, 3):
         raise ValueError(f"dq_tma: 0 (off), 1 (through q), 2 (through kv) or 3 (through kv from the tile's "
-                         f"last block on), got {dq_by_tma}")
+                         f"last block on), got {dq_want}")
+    dq_by_tma = dq_want if rope == 0 and _tma_ok(grad_q) else 0
     if dq_by_tma:
         early = 0
     q_arg, do_arg = (_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out)
