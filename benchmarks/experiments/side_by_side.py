@@ -45,6 +45,16 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
 
 
+def best_of_ab(fns, reps=2):
+    """{name: ms} for ``fns`` (name -> callable) timed in turn ``reps`` times (A, B, A, B,
+    ...: drift across the run falls on every arm alike), the better of each arm's times."""
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            times[name].append(bench(fn))
+    return {name: min(t) for name, t in times.items()}
+
+
 def cudnn_peer(argv=None):
     """The peer kit's ``cudnn_peer`` module from the folder in ``argv[1]`` (default
     ``sys.argv``), or None (no folder given, or it does not load: said why)."""

@@ -33,7 +33,7 @@ import torch
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import bench, inputs
+from side_by_side import best_of_ab, inputs
 from side_by_side import cudnn_peer as load_peer
 
 D = 512
@@ -87,14 +87,11 @@ for T, H, K in shapes:
         except Exception as e:  # noqa: BLE001
             r["cudnn_error"] = str(e)[:200]
             peer = {}
-    for rep in range(2):  # A, B, A, B: the better of two
-        for name, det, h in arms:
-            r.setdefault(f"{name}_ms", []).append(bench(lambda: run(det, orders[h])))
-        for h, fn in peer.items():
-            r.setdefault(f"cudnn_{h}_ms", []).append(bench(fn))
-    for k in [k for k in r if k.endswith("_ms")]:
-        r[k] = min(r[k])
-        r[k.replace("_ms", "_tflops")] = round(fl / r[k] / 1e9, 1)
+    fns = {name: (lambda det=det, h=h: run(det, orders[h])) for name, det, h in arms}
+    fns.update({f"cudnn_{h}": fn for h, fn in peer.items()})
+    for name, ms in best_of_ab(fns).items():
+        r[f"{name}_ms"] = ms
+        r[f"{name}_tflops"] = round(fl / ms / 1e9, 1)
     print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
-    q = kv = idx = do = out = lse = ref = orders = peer = None
+    q = kv = idx = do = out = lse = ref = orders = peer = fns = None
     torch.cuda.empty_cache()

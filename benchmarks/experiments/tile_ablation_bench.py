@@ -30,7 +30,7 @@ import torch
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import bench, inputs
+from side_by_side import best_of_ab, inputs
 from side_by_side import cudnn_peer as load_peer
 
 D = 512
@@ -63,12 +63,9 @@ for T, H, K in shapes:
             r["cudnn_error"] = str(e)[:200]
     for fn in fns.values():
         fn()
-    for rep in range(2):  # A, B, A, B: the better of two
-        for name, fn in fns.items():
-            r.setdefault(f"{name}_ms", []).append(bench(fn))
-    for k in [k for k in r if k.endswith("_ms")]:
-        r[k] = min(r[k])
-        r[k.replace("_ms", "_us_tile")] = round(1e3 * r[k] / r["tiles_per_sm"], 2)
+    for name, ms in best_of_ab(fns).items():
+        r[f"{name}_ms"] = ms
+        r[f"{name}_us_tile"] = round(1e3 * ms / r["tiles_per_sm"], 2)
     print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
     args = q = kv = idx = do = out = lse = fns = None
     torch.cuda.empty_cache()
