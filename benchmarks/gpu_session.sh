@@ -204,7 +204,7 @@ next)
   # its A/B next to cuDNN (only if they passed; its rows print as they finish). Default: dQ
   # by TMA (dq_tma_bench.py). About 9 minutes.
   timeout ${NEXT_TESTS_TIMEOUT:-200} python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels_gpu.py \
-    -k "${NEXT_TESTS:-dq_tma_kv_early}" 2>&1 | tail -6 | tee "$OUT/next_tests.log"
+    -k "${NEXT_TESTS:-dq_tma}" 2>&1 | tail -6 | tee "$OUT/next_tests.log"
   ok=$(grep -c " passed" "$OUT/next_tests.log"); grep -q -E "failed|error" "$OUT/next_tests.log" && ok=0
   if [ "$ok" -gt 0 ]; then
     timeout 120 bash .peers/cudnn_dsa/install.sh > "$OUT/cudnn_install.log" 2>&1

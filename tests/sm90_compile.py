@@ -246,6 +246,6 @@ def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None,
         from triton.experimental.gluon import language as gl
         layout = gl.NVMMASharedLayout.get_default_for([1, G.BLOCK_H, 128], gl.bfloat16)
         types = {**types, "DQ": f"tensordesc<bf16[1, {G.BLOCK_H}, 128],{layout!r}>"}
-        consts["DQ_TMA"] = int(dq_tma)  # 1: staged in q, 2: in the kv buffer
+        consts["DQ_TMA"] = int(dq_tma)  # staged in q's quarters
     return compile_sm90(G._bwd_main_gluon_kernel, types, consts, hopper.NUM_WARPS, 1, BWD_DIV16,
                         run_ptxas, maxnreg=hopper.MAXNREG)

@@ -230,37 +230,28 @@ def test_gluon_backward_qd_early_release_compiles_for_sm90(red, early):
         assert lp["LDL"] <= lb["LDL"] + (2 if TRITON_VERSION >= (3, 9) else 0), (lp, lb)
 
 
-@pytest.mark.parametrize("red,split,has_len,mode", [
-    (False, 0, False, 1), (False, 0, True, 1), (True, 0, True, 1), (True, 1, False, 1),
-    (True, 2, False, 1), (True, 2, True, 1), (False, 0, False, 2), (True, 2, True, 2), (False, 0, True, 3),
-    (True, 2, True, 3)],
+@pytest.mark.parametrize("red,split,has_len", [
+    (False, 0, False), (False, 0, True), (True, 0, True), (True, 1, False), (True, 2, False),
+    (True, 2, True)],
     ids=["deterministic", "deterministic-topk_length", "fast-unsplit-topk_length", "fast-single",
-         "fast-double", "fast-double-topk_length", "deterministic-through-kv",
-         "fast-double-topk_length-through-kv", "deterministic-topk_length-from-the-last-block",
-         "fast-double-topk_length-from-the-last-block"])
-def test_gluon_backward_dq_tma_compiles_for_sm90(red, split, has_len, mode):
-    """dQ staged and stored by TMA (``backward_gluon.DQ_TMA``; mode 1 through the tile's q
-    quarters, 2 through the kv block's buffer, which takes one more barrier, 3 the same from
-    the tile's last block on, while the owner's dKV pieces run): two TMA stores
-    a consumer, no more shared memory than one barrier, and the block loops as with the
-    plain stores (the same wgmmas, reductions and stores, no more reloads). A first form of
-    mode 1 in which only the consumer not owning the last block waited reloaded 51 values a
-    loop in the fast split 2 schedule with lengths. (Triton 3.9 keeps the plain stores: there
-    mode 1 with split 2 and lengths reloads 25 a loop against 19, and mode 3, whose staging
-    sits in the block loop, 33 against 19 and, deterministic, 20 against 10: a ratchet.)"""
+         "fast-double", "fast-double-topk_length"])
+def test_gluon_backward_dq_tma_compiles_for_sm90(red, split, has_len):
+    """dQ staged in the tile's q quarters and stored by TMA (``backward_gluon.DQ_TMA``): two
+    TMA stores a consumer, no more shared memory, and the block loops as with the plain
+    stores (the same wgmmas, reductions and stores, no more reloads). A first form in which
+    only the consumer not owning the last block waited reloaded 51 values a loop in the fast
+    split 2 schedule with lengths. (Triton 3.9 keeps the plain stores: there, split 2 with
+    lengths reloads 25 a loop against 19.)"""
     base = compile_backward_gluon(red=red, split=split, has_len=has_len)
-    r = compile_backward_gluon(red=red, split=split, has_len=has_len, dq_tma=mode)
-    # (modes 2 and 3: two sites, the kv buffer and, in a tile without blocks, q)
-    stores = 4 * (1 + (mode >= 2))
-    assert base["tma_stores"] == 0 and r["tma_stores"] == stores, (base["tma_stores"], r["tma_stores"])
-    assert r["shared"] <= base["shared"] + 8 * (mode >= 2) <= H200_SMEM_LIMIT, (r["shared"], base["shared"])
+    r = compile_backward_gluon(red=red, split=split, has_len=has_len, dq_tma=1)
+    assert base["tma_stores"] == 0 and r["tma_stores"] == 4, (base["tma_stores"], r["tma_stores"])
+    assert r["shared"] <= base["shared"] <= H200_SMEM_LIMIT, (r["shared"], base["shared"])
     assert r["wgmma_serialized"] is False, r
     assert len(r["mma_loops"]) == 2, r["mma_loops"]
     for lp, lb in zip(r["mma_loops"], base["mma_loops"]):
         assert (lp["HGMMA"], lp["REDG4"], lp["STG"]) == (lb["HGMMA"], lb["REDG4"], lb["STG"]), (lp, lb)
-        margin = 0
-        if TRITON_VERSION >= (3, 9):  # (not 3.9's configurations: it keeps the plain stores)
-            margin = 14 if mode == 3 else 8 if split else 0
+        # (not 3.9's configurations: it keeps the plain stores)
+        margin = 8 if split and TRITON_VERSION >= (3, 9) else 0
         assert lp["LDL"] <= lb["LDL"] + margin, (lp, lb)
 
 

@@ -1,8 +1,7 @@
 """The backward with dQ staged in the tile's q quarters and stored by TMA
-(``backward_gluon.launch(dq_tma=1)``), or staged in the kv block's buffer (``dq_tma=2``),
-against the plain stores (``dq_tma=0``: 64 four-byte stores a thread from the wgmma
-layout), both modes, A, B, A, B in one process, next to cuDNN's. (Run first at c631e59 with
-arms 0 and 1 and 1 with q and dO by TMA at every K.)
+(``backward_gluon.launch(dq_tma=1)``) against the plain stores (``dq_tma=0``: 64
+four-byte stores a thread from the wgmma layout), both modes, A, B, A, B in one process,
+next to cuDNN's. (Run first at c631e59.)
 
     PYTHONPATH=src:/tmp/cudnn_site python benchmarks/experiments/dq_tma_bench.py [PEER_DIR]
 
@@ -12,13 +11,11 @@ stores the fast backward's tile takes 5-11 us less (tile_ablation_bench.py: H128
 path, at the price of the next tile's q/dO load waiting for the staging (about 1 us): 5-8%
 less time in the fast mode at K >= 512 (H128 K1152 7.8 -> 7.2-7.4 ms, 1.03-1.06x cuDNN),
 more at K = 128-160; the deterministic mode (its partial-row stores in the same path) 2-5%
-less, bitwise equal. Through the kv buffer (docs/performance/backward.md#dq-by-tma): the
-next tile's q/dO load no longer waits for the staging, only its first gather does, which
-the q/dO load covers: most of the rest of the 7-11 us, 3-6% beyond dq_tma=1 at K >= 512
-(measured at 0ad96c2: level with dq_tma=1). ``dq_tma=3``, the kv buffer's staging issued
-right after each consumer's dQ of the tile's last block, so that the owner's staging and
-the TMA's read overlap its dKV pieces (prediction: 2-5% less than dq_tma=1 at K >= 512,
-most at H128 K1152, where arm 1 of tile_ablation_bench.py left 5% between them).
+less, bitwise equal. Two more arms staged dQ in the kv block's buffer (2: at the tile's
+end, 3: right after each consumer's dQ of the last block), so that the next tile's q/dO
+load would not wait for the staging: level with arm 1 at 0ad96c2, 8-13% slower than it at
+K >= 512 at 1e88615 (after the staging barrier's phase fix), and removed
+(docs/performance/backward.md#dq-by-tma).
 """
 import json
 
@@ -44,11 +41,10 @@ for T, H, K in shapes:
         return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon,
                                    deterministic=det, dq_tma=dq_tma, **kw)
 
-    arms = [("fast", False, 0, {}), ("fast_dqtma", False, 1, {}), ("fast_dqtma_kv", False, 2, {}),
-            ("fast_dqtma_kv_early", False, 3, {}),
-            ("det", True, 0, {}), ("det_dqtma", True, 1, {}), ("det_dqtma_kv_early", True, 3, {})]
+    arms = [("fast", False, 0, {}), ("fast_dqtma", False, 1, {}), ("det", True, 0, {}),
+            ("det_dqtma", True, 1, {})]
     ref = run(True, 0)
-    for name, mode in (("dqtma", 1), ("dqtma_kv", 2), ("dqtma_kv_early", 3)):
+    for name, mode in (("dqtma", 1),):
         got = run(True, mode)
         r[f"det_{name}_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(ref, got))
         got = run(False, mode)

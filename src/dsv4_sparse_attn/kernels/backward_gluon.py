@@ -99,11 +99,10 @@ QD_EARLY = 2
 # path behind the last block's reductions, and without them a tile takes 5-11 us less
 # (docs/performance/backward.md#a-tiles-fixed-cost-taken-apart). Not with the early
 # release (the next tile's first quarters then land in q while the last block runs), so
-# where dQ goes by TMA the early release is off. On where measured: Triton 3.6. Options:
-# 2 stages in the kv block's buffer instead (each consumer's half is free after its dQ of
-# the last block; the producer's next gather waits for the TMA's read: measured level with
-# 1), 3 the same issued right after that dQ, so the owner's staging overlaps its dKV
-# pieces (not yet timed); 0 the plain stores.
+# where dQ goes by TMA the early release is off. On where measured: Triton 3.6; 0 the plain
+# stores. (Staging in the kv block's buffer instead, so that the next tile's q/dO load
+# need not wait for it, measured 8-13% slower at K >= 512 and was removed:
+# docs/performance/backward.md#dq-by-tma.)
 DQ_TMA = 1 if TRITON_VERSION == (3, 6) else 0
 
 
@@ -119,7 +118,6 @@ _PDS2_READY = gl.constexpr(9)  # + P/dS buffer: SPLIT == 2 double-buffers P and 
 _PDS2_FREE = gl.constexpr(11)  # + P/dS buffer
 _N_BARS = gl.constexpr(13)
 _QD_FREE_EARLY = gl.constexpr(13)  # q's and dO's first QD_EARLY quarters (QD_EARLY: one more barrier)
-_DQS_FREE = gl.constexpr(13)  # DQ_TMA >= 2: the kv buffer's dQ staging read by the TMA (never with QD_EARLY)
 # How many slot blocks a pair's leader may run ahead of its follower's adds (see
 # _consume_tile). H200, T=4096, H=128: 0 (lockstep) -8.8% backward time against no pacing
 # at K=1152 and K=512, 1 -7.5%, 2 -4%, 4 -1%
@@ -138,38 +136,37 @@ _DQ_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4,
 
 @gluon.jit
 def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
-              ABL: gl.constexpr, DQS: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, DQS, 0, False, 0)
+              ABL: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, False, 0)
 
 
 @gluon.jit
 def _producer_rope(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
-                   ABL: gl.constexpr, DQS: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, DQS, 64, False, 0)
+                   ABL: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 64, False, 0)
 
 
 @gluon.jit
 def _producer_qd_tma(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
-                     ABL: gl.constexpr, DQS: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, DQS, 0, True, 0)
+                     ABL: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, True, 0)
 
 
 @gluon.jit
 def _producer_qd_early2(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
-                        ABL: gl.constexpr, DQS: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, DQS, 0, True, 2)
+                        ABL: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, True, 2)
 
 
 @gluon.jit
 def _producer_qd_early3(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
-                        ABL: gl.constexpr, DQS: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, DQS, 0, True, 3)
+                        ABL: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, True, 3)
 
 
 @gluon.jit
 def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr, ABL: gl.constexpr,
-             DQS: gl.constexpr, ROPE: gl.constexpr,
-             QD_TMA: gl.constexpr, EARLY: gl.constexpr):
+             ROPE: gl.constexpr, QD_TMA: gl.constexpr, EARLY: gl.constexpr):
     # (ROPE, QD_TMA and EARLY arrive as literals from the _producer* wrappers: a constexpr passed
     # through warp_specialize's argument tuple reaches the partition as a plain value, and
     # the rope code below then fails to lower when ROPE is 0). QD_TMA: Q and DO are
@@ -188,7 +185,6 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
     n_hb = gl.cdiv(H, _BH)
     tcount = 0
     bcount = 0  # slot blocks gathered so far (the barriers' phases)
-    dcount = 0  # tiles with blocks so far (DQS: the kv staging barrier's phases)
     for tile in range(rank, n_tiles, gl.num_programs(0)):
         pid_t = t_begin + tile_token(ORDER, tile // n_hb, HAS_LEN)
         pid_h = tile % n_hb
@@ -228,13 +224,6 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
 
         idx_row = IDX + pid_t * stride_it
         ids = load_ids(idx_row, 0, k_end, offs_r)
-        if DQS:  # the kv buffer holds the last tile's dQ until the TMA has read it
-            # (phases counted over tiles with blocks: the consumers finish a tile without
-            # blocks, which stages through q, before this wait, and a count over all tiles
-            # would then alias: benchmarks/experiments/split_schedule_model.py)
-            if nb_t > 0:
-                mbarrier.wait(bars.index(_DQS_FREE), (dcount & 1) ^ 1)
-            dcount += (nb_t > 0).to(gl.int32)
         for j in range(0, nb_t):
             free_phase = ((g0 + j) & 1) ^ 1
             ids64 = ids.to(gl.int64)
@@ -435,18 +424,26 @@ def _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG: gl.conste
 @gluon.jit
 def _store_dq_tma(DQ, dq0, dq1, buf, pid_t, pid_h, WG: gl.constexpr):
     """Consumer WG's half of the tile's dQ value columns through quarters 2 WG and 2 WG + 1
-    of ``buf`` (q's or the kv block's [4, 64, 128] buffer, those quarters free of readers)
-    and two TMA stores into DQ, a [T, H, D] descriptor of [1, 64, 128] boxes (heads past H
-    are not written); returns once the TMA has read them."""
-    _issue_dq_tma(DQ, dq0, dq1, buf, pid_t, pid_h, WG)
-    _dq_tma_read()
+    of ``buf`` (q's [4, 64, 128] buffer, those quarters free of readers) and two TMA stores
+    into DQ, a [T, H, D] descriptor of [1, 64, 128] boxes (heads past H are not written);
+    returns once the TMA has read them."""
+    buf.index(2 * WG).store(dq0.to(buf.dtype))
+    buf.index(2 * WG + 1).store(dq1.to(buf.dtype))
+    fence_async_shared()
+    thread_barrier()
+    t32 = pid_t.to(gl.int32)  # (TMA coordinates are 32-bit)
+    h32 = (pid_h * _BH).to(gl.int32)
+    for c in gl.static_range(2):
+        tma_store(DQ, [t32, h32, (2 * WG + c) * _QD], buf.index(2 * WG + c).reshape([1, _BH, _QD]))
+    tma_store_wait(0)
+    thread_barrier()  # (the thread that issued the stores has seen them read)
 
 
 @gluon.jit
-def _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, kv_smem, bars, g0, nb_t,
+def _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, bars, g0, nb_t,
                  WG: gl.constexpr, SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr):
     """The end of consumer WG's tile in either schedule (``SPLIT`` 0: unsplit): its dQ half
-    out (``DQ_TMA``: 0 plain stores, 1 through its q quarters, 2 or 3 through its kv half)
+    out (``DQ_TMA``: 0 plain stores, 1 through its q quarters by TMA)
     and q and dO released to the producer (``_QD_FREE``)."""
     if DQ_TMA == 1:
         # My q quarters: in the split schedules the last block's owner reads every quarter in
@@ -462,48 +459,9 @@ def _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, kv
                     mbarrier.wait(bars.index(_PDS_FREE), last & 1)
         if (ABL & 1) == 0:  # (ablation 1: no dQ stores)
             _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
-    if DQ_TMA >= 2:  # (a tile without blocks: through q, which no one reads then)
-        if nb_t == 0:
-            _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
     mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
-    if DQ_TMA >= 2:
-        if nb_t > 0:
-            _dq_through_kv(DQ, dq0, dq1, kv_smem, bars, pid_t, pid_h, WG, DQ_TMA, ABL)
     if not DQ_TMA and (ABL & 1) == 0:  # (ablation 1: no dQ stores)
         _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
-
-
-@gluon.jit
-def _dq_through_kv(DQ, dq0, dq1, kv_smem, bars, pid_t, pid_h, WG: gl.constexpr, DQ_TMA: gl.constexpr,
-                   ABL: gl.constexpr):
-    """The end of a tile with blocks, dQ through the kv buffer (``DQ_TMA`` 2 or 3), after q
-    and dO are released: my kv half is free since my dQ of the last block (its S and dP came
-    before); then the producer may gather the next tile's blocks (``_DQS_FREE``)."""
-    if DQ_TMA == 2:
-        if (ABL & 1) == 0:  # (ablation 1: no dQ stores)
-            _store_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
-    else:  # 3: sent from the last block on
-        _dq_tma_read()
-    mbarrier.arrive(bars.index(_DQS_FREE))
-
-
-@gluon.jit
-def _issue_dq_tma(DQ, dq0, dq1, buf, pid_t, pid_h, WG: gl.constexpr):
-    """``_store_dq_tma`` up to the TMA stores' issue (``_dq_tma_read`` waits for their reads)."""
-    buf.index(2 * WG).store(dq0.to(buf.dtype))
-    buf.index(2 * WG + 1).store(dq1.to(buf.dtype))
-    fence_async_shared()
-    thread_barrier()
-    t32 = pid_t.to(gl.int32)  # (TMA coordinates are 32-bit)
-    h32 = (pid_h * _BH).to(gl.int32)
-    for c in gl.static_range(2):
-        tma_store(DQ, [t32, h32, (2 * WG + c) * _QD], buf.index(2 * WG + c).reshape([1, _BH, _QD]))
-
-
-@gluon.jit
-def _dq_tma_read():
-    tma_store_wait(0)
-    thread_barrier()  # (the thread that issued the stores has seen them read)
 
 
 @gluon.jit
@@ -585,9 +543,6 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
         dq1 = warpgroup_mma(ds_smem.index(pb), kv_smem.index(2 * WG + 1 + z), dq1, is_async=True)
         dq0, dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, dq1))
         mbarrier.arrive(bars.index(_KV_FREE + WG))  # my kv half: the next block's gather may start
-        if DQ_TMA == 3:  # the tile's dQ is complete: into my kv half, sent while the pieces run
-            if jj == nb_t - 1:
-                _issue_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
         if mine:
             # All of the block's dKV rows: P^T dO + dS^T Q, 64 columns at a time, each piece
             # sent while the next one's wgmma runs.
@@ -625,7 +580,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
 
     if EARLY > 0:  # (the last block's owner released the first quarters already)
         mbarrier.arrive(bars.index(_QD_FREE_EARLY), pred=(nb_t == 0) | ((g0 + nb_t - 1) % 2 != WG))
-    _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, kv_smem, bars, g0, nb_t, WG,
+    _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, bars, g0, nb_t, WG,
                  SPLIT, DQ_TMA, ABL)
 
 
@@ -786,9 +741,6 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         else:
             dq0, dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, dq1))
             mbarrier.arrive(bars.index(_KV_FREE + WG))  # my kv half: the next block's gather may start
-            if DQ_TMA == 3:  # the tile's dQ is complete: into my kv half, sent while the pieces run
-                if jj == nb_t - 1:
-                    _issue_dq_tma(DQ, dq0, dq1, kv_smem, pid_t, pid_h, WG)
 
         # dKV rows of this block for my half of D, a quarter at a time: P^T dO + dS^T Q
         # (M = 64 slots, N = 128 columns, K = 64 heads; P and dS read transposed).
@@ -836,7 +788,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         if follower:  # (pacing only: no ordering needed)
             gl.atomic_add(done_ptr, 1, sem="relaxed", scope="gpu")
 
-    _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, kv_smem, bars, g0, nb_t, WG, 0,
+    _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, bars, g0, nb_t, WG, 0,
                  DQ_TMA, ABL)
     if ROPE > 0:  # my rope columns of dQ: taken from the scratch, which is left zero
         # (column c of the scratch row sits at fake_col(c); relaxed: the adds above are this
@@ -880,8 +832,7 @@ def _bwd_main_gluon_kernel(
                      "q and dO released early: 2 or 3 quarters, by TMA, split schedules")
     gl.static_assert(not DQ_TMA or (ROPE == 0 and QD_EARLY == 0),
                      "dQ by TMA: D = 512, q's quarters not released early")
-    gl.static_assert(DQ_TMA >= 0 and DQ_TMA <= 3,
-                     "dQ by TMA: 1 through q, 2 through kv, 3 through kv from the last block on")
+    gl.static_assert(DQ_TMA == 0 or DQ_TMA == 1, "dQ by TMA: 0 (plain stores) or 1 (through q's quarters)")
     if QD_TMA:
         dtype: gl.constexpr = Q.dtype
     else:
@@ -902,9 +853,9 @@ def _bwd_main_gluon_kernel(
     else:  # (never read)
         qr_smem = p_smem
         kvr_smem = ds_smem
-    if QD_EARLY > 0 or DQ_TMA >= 2:
+    if QD_EARLY > 0:
         bars = gl.allocate_shared_memory(gl.int64, [_N_BARS + 1, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(bars.index(_QD_FREE_EARLY), count=2)  # (or _DQS_FREE: the same slot)
+        mbarrier.init(bars.index(_QD_FREE_EARLY), count=2)
     else:
         bars = gl.allocate_shared_memory(gl.int64, [_N_BARS, 1], mbarrier.MBarrierLayout())
     # cp.async arrivals of the producer's threads, or the TMA tiles' expect
@@ -933,8 +884,7 @@ def _bwd_main_gluon_kernel(
               (scale, scale_log2), t_begin, n_tiles, nb, rank, paired)
     p_args = ((Q, DO, KV, IDX, LEN, ORDER), sizes,
               (stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it),
-              (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars), t_begin, n_tiles, nb, rank, HAS_LEN, ABL,
-              DQ_TMA >= 2)
+              (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars), t_begin, n_tiles, nb, rank, HAS_LEN, ABL)
     # The producer is the default partition (ptxas compiles it under MAXNREG; the
     # consumers get setmaxnreg budgets).
     if ROPE > 0:
@@ -1039,9 +989,9 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     sp = _split(partial is not None, split) if rope == 0 else 0
     tma, early = _qd_loads(q, grad_out, rope, sp, K, qd_tma, qd_early)
     dq_want = int(DQ_TMA if dq_tma is None else dq_tma)
-    if dq_want not in (0, 1, 2, 3):
-        raise ValueError(f"dq_tma: 0 (off), 1 (through q), 2 (through kv) or 3 (through kv from the tile's "
-                         f"last block on), got {dq_want}")
+    if dq_want not in (0, 1):
+        raise ValueError(f"dq_tma: 0 (plain stores) or 1 (staged in q's quarters, stored by TMA), "
+                         f"got {dq_want}")
     dq_by_tma = dq_want if rope == 0 and _tma_ok(grad_q) else 0
     if dq_by_tma:
         early = 0
