@@ -23,8 +23,9 @@ from side_by_side import cudnn_peer as load_peer
 
 D = 512
 cudnn_peer = load_peer()
-shapes = [(4096, 64, 640), (4096, 128, 1152), (4096, 128, 512), (4096, 16, 1152), (4096, 32, 1152),
-          (32768, 64, 640), (4096, 128, 128), (4096, 64, 160)]
+# (the shapes where the prediction differs most first: a run cut short still answers it)
+shapes = [(4096, 64, 640), (4096, 128, 512), (4096, 128, 128), (4096, 128, 1152), (4096, 64, 160),
+          (4096, 32, 1152), (4096, 16, 1152), (32768, 64, 640)]
 for T, H, K in shapes:
     q, kv, idx, sink, do, out, lse = inputs(T, H, K, D)
     dlse = torch.randn_like(lse) * 0.1
