@@ -277,61 +277,6 @@ def test_gluon_backward_with_each_dq_store_matches_reference(monkeypatch, case, 
     check_backward(case, DEV, deterministic=deterministic, main=main)
 
 
-@pytest.mark.parametrize("split", [0, 1, 2], ids=["unsplit", "single", "double"])
-@pytest.mark.parametrize("case", _EARLY_CASES + [Case(300, 64, 512, 900, 640, ids="deepseek", lengths=True),
-                                                 Case(40, 16, 512, 300, 200, ids="dup", noncontig=True),
-                                                 Case(30, 64, 512, 200, 128, ids="empty_rows")],
-                         ids=str)
-@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
-def test_gluon_backward_with_fused_delta_matches_reference(monkeypatch, case, deterministic, split):
-    """Delta formed in the main kernel (``backward_gluon.FUSED_DELTA``), in every schedule:
-    against the float64 oracle, grad_lse and grad_sink (summed from the Delta the kernel
-    writes) included; tiles of 0, 1 and many blocks, lengths with empty tiles, padding
-    heads, head-block pairs, strided out and dO, poisoned grad_q."""
-    main = _fused_delta_or_skip(case.H)
-    monkeypatch.setattr(main, "SPLIT_ROLES", split)
-    monkeypatch.setattr(main, "SPLIT_ROLES_DET", split)
-    monkeypatch.setattr(main, "FUSED_DELTA", True)
-    check_backward(case, DEV, deterministic=deterministic, main=main)
-
-
-@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
-def test_gluon_backward_with_fused_delta_without_grad_lse(monkeypatch, deterministic):
-    main = _fused_delta_or_skip(64)
-    monkeypatch.setattr(main, "FUSED_DELTA", True)
-    check_backward(Case(200, 64, 512, 300, 256, ids="deepseek"), DEV, deterministic=deterministic,
-                   with_dlse=False, main=main)
-
-
-def _fused_delta_or_skip(H):
-    main = _gluon_bwd_or_skip(H)
-    if not main.fuses_delta({"fused_delta": True}, 512, 512):
-        pytest.skip(f"Delta in the main kernel: Triton 3.6 only (this is {main.TRITON_VERSION})")
-    return main
-
-
-def test_gluon_fused_delta_is_deterministic_and_written(monkeypatch):
-    """The deterministic mode with Delta in the main kernel: bitwise the same twice, and the
-    Delta it writes (read by grad_sink) equal to the separate kernel's within fp32 rounding."""
-    main = _fused_delta_or_skip(64)
-    monkeypatch.setattr(main, "FUSED_DELTA", True)
-    c = Case(50, 64, 512, 300, 192, ids="deepseek")
-    q, kv, idx, sink = make_case(c, DEV)
-    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5)
-    do, dl = torch.randn_like(out), torch.randn_like(lse)
-    a = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main, deterministic=True)
-    b = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main, deterministic=True)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
-    delta = (out.float() * do.float()).sum(-1) - dl
-    got = torch.full_like(delta, float("nan"))
-    grad_q = torch.empty_like(q)
-    acc = torch.zeros(kv.shape, dtype=torch.float32, device=DEV)
-    flags = torch.zeros((main.flags_per_chunk(c.T, 1),), dtype=torch.int32, device=DEV)
-    main.launch(q, kv, idx, do, lse, got, grad_q, acc, None, flags, 0, c.T, c.D ** -0.5,
-                c.D ** -0.5 * 1.4426950408889634, False, out=out, grad_lse=dl)
-    torch.testing.assert_close(got, delta, rtol=1e-5, atol=1e-4)
-
-
 def test_backward_without_grad_lse():
     check_backward(Case(16, 64, 512, 200, 160, ids="deepseek"), DEV, with_dlse=False)
 

@@ -255,32 +255,6 @@ def test_gluon_backward_dq_tma_compiles_for_sm90(red, split, has_len):
         assert lp["LDL"] <= lb["LDL"] + margin, (lp, lb)
 
 
-@pytest.mark.parametrize("red,split,has_len,qd_tma", [
-    (True, 2, True, False), (False, 0, False, False), (True, 2, False, True)],
-    ids=["fast-double-topk_length", "deterministic", "fast-double-qd_tma"])
-def test_gluon_backward_fused_delta_compiles_for_sm90(red, split, has_len, qd_tma):
-    """Delta formed in the main kernel (``backward_gluon.FUSED_DELTA``; FD = 2: with grad_lse)
-    next to the same build reading it: the block loops unchanged (the same wgmmas,
-    reductions and stores, no more spill reloads), the wgmmas not serialised, at most 512
-    bytes more shared memory (the Delta's layout change). Its first form unrolled the four
-    quarters and reloaded 38 spilled values a block loop (fast, split 2, Triton 3.6)."""
-    from dsv4_sparse_attn.kernels import backward_gluon
-
-    if not backward_gluon.fuses_delta({"fused_delta": True}, 512, 512):
-        pytest.skip(f"Delta in the main kernel is off under Triton {TRITON_VERSION} (block-loop reloads: "
-                    "backward_gluon.fuses_delta)")
-    dq = backward_gluon.DQ_TMA
-    base = compile_backward_gluon(red=red, split=split, has_len=has_len, qd_tma=qd_tma, dq_tma=dq)
-    r = compile_backward_gluon(red=red, split=split, has_len=has_len, qd_tma=qd_tma, dq_tma=dq,
-                               fused_delta=2)
-    assert r["wgmma_serialized"] is False, r
-    assert r["shared"] <= min(base["shared"] + 512, H200_SMEM_LIMIT), (r["shared"], base["shared"])
-    assert len(r["mma_loops"]) == len(base["mma_loops"]) == 2, (r["mma_loops"], base["mma_loops"])
-    for lp, lb in zip(r["mma_loops"], base["mma_loops"]):
-        assert (lp["HGMMA"], lp["REDG4"], lp["STG"]) == (lb["HGMMA"], lb["REDG4"], lb["STG"]), (lp, lb)
-        assert lp["LDL"] <= lb["LDL"], (lp, lb)
-
-
 @pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])
 def test_gluon_backward_default_schedule_reloads_nothing(has_len):
     """The fast mode's default schedule on this Triton (``backward_gluon.SPLIT_ROLES``: split

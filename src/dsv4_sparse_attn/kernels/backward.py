@@ -248,11 +248,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     acc = torch.zeros((N, D), dtype=torch.float32, device=dev)
     delta = torch.empty((T, H), dtype=torch.float32, device=dev)
     d_v = grad_out.shape[-1]  # Delta runs over the value columns
-    # a main kernel that forms Delta itself (backward_gluon.fuses_delta) writes it for grad_sink
-    fused_delta = hasattr(main, "fuses_delta") and main.fuses_delta(main_options, D, d_v)
-    if fused_delta:
-        main_options = dict(main_options, out=out, grad_lse=grad_lse)
-    if T > 0 and not fused_delta:
+    if T > 0:
         dh = min(next_pow2(H), max(1, 8192 // d_v))
         _bwd_delta_kernel[(T, triton.cdiv(H, dh))](
             out, grad_out, grad_lse if grad_lse is not None else delta, delta,

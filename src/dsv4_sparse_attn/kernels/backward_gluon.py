@@ -104,11 +104,6 @@ QD_EARLY = 2
 # need not wait for it, measured 8-13% slower at K >= 512 and was removed:
 # docs/performance/backward.md#dq-by-tma.)
 DQ_TMA = 1 if TRITON_VERSION == (3, 6) else 0
-# Delta = rowsum(O * dO) - dLSE formed in the main kernel (``_fused_delta``) instead of by a
-# kernel of its own before it, which reads O and dO whole (130 us at H64, 254 at H128, T =
-# 4096: 3-7% of the fast backward; the main kernel has dO in shared memory already). Off
-# until measured (``sparse_mla_bwd(..., fused_delta=True)`` takes it).
-FUSED_DELTA = False
 
 
 # mbarrier slots
@@ -274,7 +269,7 @@ def _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN: gl.constexpr):
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr,
               EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr, DQ_TMA: gl.constexpr,
-              ABL: gl.constexpr, FD: gl.constexpr):
+              ABL: gl.constexpr):
     io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired = args
     H, N, K = sizes
     LEN = io[7]
@@ -289,17 +284,17 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
         if SPLIT:
             _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
                                 pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT,
-                                EARLY, DQ_TMA, ABL, FD)
+                                EARLY, DQ_TMA, ABL)
         else:
             _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
                           pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST,
-                          DQ_TMA, ABL, FD)
+                          DQ_TMA, ABL)
         tcount += 1
         bcount += nb_t
 
 
 @gluon.jit
-def _head_rows(LSE, DELTA, H, pid_t, pid_h, stride_lt, row_l: gl.constexpr, FD: gl.constexpr = 0):
+def _head_rows(LSE, DELTA, H, pid_t, pid_h, stride_lt, row_l: gl.constexpr):
     """The tile's 64 heads: ``row_ok``, lse in the log2 domain and Delta. Rows with lse =
     -inf (no valid slot, no sink) and padding heads have P = 0; a NaN lse (a NaN sink)
     gives NaN P, as in the reference (docs/design.md#non-finite-values)."""
@@ -308,16 +303,12 @@ def _head_rows(LSE, DELTA, H, pid_t, pid_h, stride_lt, row_l: gl.constexpr, FD: 
     lse = gl.load(LSE + pid_t * stride_lt + h_row, mask=h_ok, other=float("-inf"))
     row_ok = h_ok & (lse != float("-inf"))
     lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
-    if FD:  # (computed in the tile, once dO is in: _fused_delta)
-        delta = lse2
-    else:
-        delta = gl.load(DELTA + pid_t * H + h_row, mask=h_ok, other=0.0)
+    delta = gl.load(DELTA + pid_t * H + h_row, mask=h_ok, other=0.0)
     return row_ok, lse2, delta
 
 
 @gluon.jit
-def _tile_start(LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it, ABL: gl.constexpr = 0,
-                FD: gl.constexpr = 0):
+def _tile_start(LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it, ABL: gl.constexpr = 0):
     """What both consumer schedules set up at a tile's start: its heads (``_head_rows``),
     the slot and column offsets in S's wgmma layout (a dKV piece, [_BK slots, 64 columns],
     has that layout too: each thread holds two slot rows and pairs of adjacent columns),
@@ -331,7 +322,7 @@ def _tile_start(LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it, ABL: gl.
         lse2 = gl.zeros([_BH], gl.float32, layout=row_l)
         delta = lse2
     else:
-        row_ok, lse2, delta = _head_rows(LSE, DELTA, H, pid_t, pid_h, stride_lt, row_l, FD)
+        row_ok, lse2, delta = _head_rows(LSE, DELTA, H, pid_t, pid_h, stride_lt, row_l)
     offs_c = gl.arange(0, _BK, layout=col_l)
     offs_dd = gl.arange(0, 64, layout=col_l)
     offs_ks = gl.arange(0, _BK, layout=row_l)
@@ -340,33 +331,6 @@ def _tile_start(LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it, ABL: gl.
     dq_zero = gl.zeros([_BH, _QD], gl.float32, layout=_DQ_L)
     dkv_zero = gl.zeros([_BK, 64], gl.float32, layout=s_l)
     return row_ok, lse2, delta, offs_c, offs_dd, offs_ks, idx_row, s_zero, dq_zero, dkv_zero
-
-
-@gluon.jit
-def _fused_delta(OUT, DLSE, DELTA, do_smem, H, pid_t, pid_h, stride_ot, stride_oh, stride_glt,
-                 WG: gl.constexpr, FD: gl.constexpr):
-    """The tile's Delta = rowsum(O * dO) (- dLSE: ``FD`` 2) over its 64 heads, in S's row
-    layout, from O in global memory and the tile's dO quarters in shared memory (the
-    producer's; call after _QD_READY): the separate Delta kernel's read of dO (and its
-    launch) saved. Both consumers form it (each needs all 64 rows for the dS of the blocks
-    it owns; the second read of O hits the L2); consumer 0 also writes it to DELTA for
-    grad_sink. Summed a quarter at a time in a fixed order: deterministic."""
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte loads
-    offs_h = gl.arange(0, _BH, layout=gl.SliceLayout(1, ld))
-    offs_d = gl.arange(0, _QD, layout=gl.SliceLayout(0, ld))
-    h = pid_h * _BH + offs_h
-    h_ok = h < H
-    o_ptrs = OUT + pid_t * stride_ot + h[:, None].to(gl.int64) * stride_oh + offs_d[None, :]
-    delta = gl.zeros([_BH], gl.float32, layout=gl.SliceLayout(1, ld))
-    for c in range(4):  # (a loop, not unrolled: one quarter's O and dO live at a time)
-        o = gl.load(o_ptrs + c * _QD, mask=h_ok[:, None], other=0.0).to(gl.float32)
-        do = do_smem.index(c).load(ld).to(gl.float32)
-        delta += gl.sum(o * do, axis=1)
-    if FD == 2:
-        delta -= gl.load(DLSE + pid_t * stride_glt + h, mask=h_ok, other=0.0)
-    if WG == 0:
-        gl.store(DELTA + pid_t * H + h, delta, mask=h_ok)
-    return gl.convert_layout(delta, gl.SliceLayout(1, _S_L))
 
 
 @gluon.jit
@@ -504,7 +468,7 @@ def _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, ba
 def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb,
                         tcount, paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr,
                         EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr,
-                        DQ_TMA: gl.constexpr, ABL: gl.constexpr, FD: gl.constexpr):
+                        DQ_TMA: gl.constexpr, ABL: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG``, the block's roles split in time:
     the owner of block g (g % 2 == WG) computes S, dP, P and dS, both consumers add dS KV
     to their halves of dQ, and then the owner forms all of the block's dKV rows (8 pieces
@@ -526,16 +490,16 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     q and dO (``_QD_FREE_EARLY``) once its dKV pieces are done with them; the other consumer
     (and both, in a tile without blocks) releases them at the tile's end, where both
     release the rest (``_QD_FREE``) as without."""
-    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, OUT, DLSE = io
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR = io
     H, N, K = sizes
-    stride_it, stride_lt, stride_gt, stride_gh, stride_ot, stride_oh, stride_glt = strides
+    stride_it, stride_lt, stride_gt, stride_gh = strides
     q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
     scale, scale_log2 = scales
     D: gl.constexpr = 4 * _QD
     dtype: gl.constexpr = q_smem.dtype
 
     row_ok, lse2, delta, offs_c, offs_dd, offs_ks, idx_row, s_zero, dq_zero, dkv_zero = _tile_start(
-        LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it, ABL, FD)
+        LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it, ABL)
     dq0 = dq_zero
     dq1 = dq_zero
     # head-block pairs (deterministic path): see _consume_tile
@@ -545,9 +509,6 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
-    if FD:  # Delta from O and the tile's dO (``_fused_delta``)
-        delta = _fused_delta(OUT, DLSE, DELTA, do_smem, H, pid_t, pid_h, stride_ot, stride_oh, stride_glt, WG,
-                             FD)
     for jj in range(0, nb_t):
         j = _opaque(jj)  # (as in _consume_tile: the loop carries only its counter)
         g = g0 + j
@@ -678,21 +639,20 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
 @gluon.jit
 def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb, tcount,
                   paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr,
-                  ROPE: gl.constexpr, EVICT_LAST: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr,
-                  FD: gl.constexpr):
+                  ROPE: gl.constexpr, EVICT_LAST: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1): slot blocks 0..nb_t-1
     (the first of them the barriers' ``g0``-th), ids past slot ``k_end`` masked; ``nb``
     blocks per token in the partial-row buffer."""
-    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, OUT, DLSE = io
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR = io
     H, N, K = sizes
-    stride_it, stride_lt, stride_gt, stride_gh, stride_ot, stride_oh, stride_glt = strides
+    stride_it, stride_lt, stride_gt, stride_gh = strides
     q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
     scale, scale_log2 = scales
     D: gl.constexpr = 4 * _QD + ROPE  # a dKV / partial row: the value columns, then the rope ones
     dtype: gl.constexpr = q_smem.dtype
 
     row_ok, lse2, delta, offs_c, offs_dd, offs_ks, idx_row, s_zero, dq_zero, dkv_zero = _tile_start(
-        LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it, ABL, FD)
+        LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it, ABL)
     dq0 = dq_zero
     dq1 = dq_zero
     # ROPE: consumer WG owns the rope columns [32 WG, 32 WG + 32) of dQ and of the dKV rows.
@@ -735,9 +695,6 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
-    if FD:  # Delta from O and the tile's dO (``_fused_delta``)
-        delta = _fused_delta(OUT, DLSE, DELTA, do_smem, H, pid_t, pid_h, stride_ot, stride_oh, stride_glt, WG,
-                             FD)
     for jj in range(0, nb_t):
         # (j opaque: the loop carries only its counter. With j itself, Triton 3.9's LLVM
         # widened the counter to 64 bits and kept g, z and the ids offsets as loop-carried
@@ -851,10 +808,10 @@ _RUNTIME_INTS = ["H", "N", "K", "t_begin", "n_tiles", "paired", "stride_it", "st
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_main_gluon_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, OUT, DLSE,
+    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR,
     H, N, K, t_begin, n_tiles, paired,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh,
-    stride_lt, stride_gt, stride_gh, stride_ot, stride_oh, stride_glt,
+    stride_lt, stride_gt, stride_gh,
     scale, scale_log2,
     D: gl.constexpr,
     RED: gl.constexpr,
@@ -866,7 +823,6 @@ def _bwd_main_gluon_kernel(
     QD_EARLY: gl.constexpr = 0,
     DQ_TMA: gl.constexpr = 0,
     ABL: gl.constexpr = 0,
-    FD: gl.constexpr = 0,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
@@ -922,8 +878,8 @@ def _bwd_main_gluon_kernel(
     # even tile (the rank below) has started, so its wait always ends.
     rank = gl.atomic_add(FLAGS, 1, sem="relaxed")
     sizes = (H, N, K)
-    c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, OUT, DLSE), sizes,
-              (stride_it, stride_lt, stride_gt, stride_gh, stride_ot, stride_oh, stride_glt),
+    c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR), sizes,
+              (stride_it, stride_lt, stride_gt, stride_gh),
               (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars),
               (scale, scale_log2), t_begin, n_tiles, nb, rank, paired)
     p_args = ((Q, DO, KV, IDX, LEN, ORDER), sizes,
@@ -933,38 +889,28 @@ def _bwd_main_gluon_kernel(
     # consumers get setmaxnreg budgets).
     if ROPE > 0:
         gl.warp_specialize([(_producer_rope, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         FD)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         FD))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 2:
         gl.warp_specialize([(_producer_qd_early2, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL,
-                                         FD)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL,
-                                         FD))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 3:
         gl.warp_specialize([(_producer_qd_early3, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL,
-                                         FD)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL,
-                                         FD))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_TMA:
         gl.warp_specialize([(_producer_qd_tma, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         FD)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         FD))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     else:
         gl.warp_specialize([(_producer, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         FD)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         FD))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
@@ -1017,7 +963,7 @@ def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, lines=None, order=None, evict_last=None, split=None,
-           qd_tma=None, qd_early=None, dq_tma=None, ablate=0, out=None, grad_lse=None, fused_delta=None):
+           qd_tma=None, qd_early=None, dq_tma=None, ablate=0):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -1027,9 +973,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     (measurement only; the gradients are then wrong): parts of a tile's work taken out,
     a sum of 1 (dQ stores), 2 (q/dO loads after a program's first tile, cp.async path),
     4 (lse/Delta loads: 0) and 8 (dKV reductions predicated off)
-    (benchmarks/experiments/tile_ablation_bench.py). ``out`` (and ``grad_lse``, or None):
-    the kernel forms Delta itself (``fuses_delta``) and writes it to ``delta``; without
-    ``out`` it reads ``delta``. (``fused_delta``: the caller's choice, see ``fuses_delta``.)"""
+    (benchmarks/experiments/tile_ablation_bench.py)."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
@@ -1051,37 +995,20 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     dq_by_tma = dq_want if rope == 0 and _tma_ok(grad_q) else 0
     if dq_by_tma:
         early = 0
-    fd = 0 if out is None else 1 + (grad_lse is not None)
-    if fd and (rope or out.shape[-1] != 4 * 128):
-        raise ValueError(f"Delta in the kernel: D = 512 (no score-only columns), got q {tuple(q.shape)}, "
-                         f"out {tuple(out.shape)}")
     q_arg, do_arg = (_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out)
     dq_arg = _qd_descriptor(grad_q) if dq_by_tma else grad_q
     _bwd_main_gluon_kernel[(grid,)](
         q_arg, kv, indices, do_arg, lse, delta, dq_arg, acc, partial if partial is not None else acc, flags,
         topk_length if topk_length is not None else indices, order if order is not None else indices, dqr,
-        out if fd else lse, grad_lse if fd == 2 else lse,
         H, N, K, t_begin, n_tiles, int(paired),
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
-        out.stride(0) if fd else 0, out.stride(1) if fd else 0, grad_lse.stride(0) if fd == 2 else 0,
         scale, scale_log2,
         D=grad_out.shape[-1], RED=red_mode(partial is not None, lines), HAS_LEN=topk_length is not None,
         EVICT_LAST=bool(RED_EVICT_LAST if evict_last is None else evict_last) and partial is None,
-        ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma, ABL=int(ablate), FD=fd,
+        ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma, ABL=int(ablate),
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
-
-
-def fuses_delta(options, d_qk: int, d_v: int) -> bool:
-    """Whether this kernel forms Delta itself for a call with these options and widths (the
-    caller then passes ``out`` and ``grad_lse`` to ``launch`` and runs no Delta kernel).
-    D = 512 under Triton 3.6 only: elsewhere ptxas reloads spilled values in the block loops
-    (the 576/512 layout's fast build under 3.6: 24-26 a loop; the fast split 2 builds under
-    3.7 and 3.8: 36-38, under 3.9: 103-114 against 19-25)."""
-    want = options.get("fused_delta")
-    return (bool(FUSED_DELTA if want is None else want) and d_qk == d_v == 4 * 128
-            and TRITON_VERSION == (3, 6))
 
 
 def _qd_loads(q, grad_out, rope: int, split: int, K: int, qd_tma=None, qd_early=None) -> tuple[bool, int]:
