@@ -1,0 +1,91 @@
+"""How precise an exact (integer) dKV accumulation would be, on the CPU, in float64: every
+(token, slot) piece of grad_kv formed as the backward forms it (rounded to fp32, as the
+kernel's wgmma accumulators hold it), then summed per kv row four ways: in float64 (the
+oracle), in fp32 in a random order (what the fast mode's reductions do, one random order
+a run), and in fixed point on a per-row grid ``2^(ceil(log2 U_r) - B)`` with B = 62 (one
+``red.add.u64`` a value) or B = 30 (one ``red.add.s32``), ``U_r`` the cheap bound of
+docs/performance/backward.md#exact-integer-sums-measured: ``n_r * max C_t`` over the row's
+entries, ``C_t = 2 H (max|dO_t| + scale max|q_t| (max||dO_t|| max||v|| + max|Delta_t|))``
+(the 2: rounding slack), with |P| <= 1.
+
+    PYTHONPATH=src:benchmarks/experiments python benchmarks/experiments/fixed_point_precision.py [T H K]
+
+Prints, per method, ||sum - oracle|| / ||oracle|| over all rows and the largest
+|error| / sum|pieces| of any element, and how loose the bound is (U_r against the row's
+largest sum of magnitudes).
+"""
+import json
+import sys
+
+import torch
+
+import dsv4_sparse_attn  # noqa: F401
+from side_by_side import inputs
+
+
+def pieces(q, kv, idx, sink, do, out, lse, scale):
+    """[T, K, D] float64 pieces and the [T, K] ids (-1 where masked)."""
+    q, kv, do, out = q.double(), kv.double(), do.double(), out.double()
+    N = kv.shape[0]
+    valid = (idx >= 0) & (idx < N)
+    rows = kv[idx.clamp(0, N - 1).long()] * valid[..., None]
+    s = torch.einsum("thd,tkd->thk", q, rows) * scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    p = torch.exp(s - lse.double()[..., None])
+    delta = (out * do).sum(-1)
+    dp = torch.einsum("thd,tkd->thk", do, rows)
+    ds = p * (dp - delta[..., None])
+    v = scale * torch.einsum("thk,thd->tkd", ds, q) + torch.einsum("thk,thd->tkd", p, do)
+    v = v * valid[..., None]
+    bound_t = 2 * q.shape[1] * (do.abs().amax((1, 2)) + scale * q.abs().amax((1, 2)) * (
+        do.norm(dim=-1).amax(1) * kv.norm(dim=-1).max() + delta.abs().amax(1)))
+    return v, torch.where(valid, idx.long(), -1), bound_t
+
+
+def main():
+    T, H, K = (int(a) for a in sys.argv[1:4]) if len(sys.argv) > 3 else (512, 16, 160)
+    D = 512
+    q, kv, idx, sink, do, out, lse = inputs(T, H, K, D, dev="cpu")
+    N = kv.shape[0]
+    v, ids, bound_t = pieces(q, kv, idx, sink, do, out, lse, D ** -0.5)
+    v32 = v.float().double()  # the kernel's fp32 piece
+    flat_ids = ids.reshape(-1)
+    keep = flat_ids >= 0
+    rows, vals = flat_ids[keep], v32.reshape(-1, D)[keep]
+    exact = torch.zeros(N, D, dtype=torch.float64).index_add_(0, rows, vals)
+    mag = torch.zeros(N, D, dtype=torch.float64).index_add_(0, rows, vals.abs())
+    ones = torch.ones_like(rows, dtype=torch.float64)
+    n_r = torch.zeros(N, dtype=torch.float64).index_add_(0, rows, ones)
+    c = bound_t[:, None].expand(T, K).reshape(-1)[keep]
+    m_r = torch.zeros(N, dtype=torch.float64).scatter_reduce_(0, rows, c, "amax", include_self=True)
+    u_r = n_r * m_r
+    used = n_r > 0
+    assert bool((mag[used] <= u_r[used, None]).all()), "the bound does not hold"
+    looseness = (u_r[used] / mag[used].amax(1).clamp_min(1e-300)).log2()
+    res = dict(T=T, H=H, K=K, rows_used=int(used.sum()), entries_max=int(n_r.max()),
+               bound_looseness_log2_median=round(looseness.median().item(), 1),
+               bound_looseness_log2_max=round(looseness.max().item(), 1))
+
+    def report(name, got):
+        err = (got - exact)[used]
+        res[name + "_rel_fro"] = float(f"{(err.norm() / exact[used].norm()).item():.3g}")
+        res[name + "_max_err_over_mag"] = float(f"{(err.abs() / mag[used].clamp_min(1e-300)).max().item():.3g}")
+
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(rows.numel(), generator=g)
+    fp32 = torch.zeros(N, D, dtype=torch.float32).index_add_(0, rows[perm], vals[perm].float())
+    report("fp32_random_order", fp32.double())
+    for B, name in ((62, "u64"), (30, "s32")):
+        e = torch.ceil(torch.log2(u_r.clamp_min(1e-300)))
+        grid = torch.exp2(e - B)  # per row; every entry's value over the grid is below 2^B
+        q_int = torch.round(vals / grid[rows, None]).to(torch.int64)
+        # int64 adds wrap like the L2's: any order gives the same bits (one order here)
+        acc = torch.zeros(N, D, dtype=torch.int64).index_add_(0, rows, q_int)
+        if B == 30:  # one 32-bit word: the final sum must be in range (the bound says it is)
+            assert bool((acc.abs() < 2**31).all())
+        report(name, acc.double() * grid[:, None])
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
