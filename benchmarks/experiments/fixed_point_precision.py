@@ -69,7 +69,8 @@ def main():
     def report(name, got):
         err = (got - exact)[used]
         res[name + "_rel_fro"] = float(f"{(err.norm() / exact[used].norm()).item():.3g}")
-        res[name + "_max_err_over_mag"] = float(f"{(err.abs() / mag[used].clamp_min(1e-300)).max().item():.3g}")
+        worst = (err.abs() / mag[used].clamp_min(1e-300)).max().item()
+        res[name + "_max_err_over_mag"] = float(f"{worst:.3g}")
 
     g = torch.Generator().manual_seed(0)
     perm = torch.randperm(rows.numel(), generator=g)
