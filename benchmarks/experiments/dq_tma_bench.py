@@ -13,7 +13,7 @@ less time in the fast mode at K >= 512 (H128 K1152 7.8 -> 7.2-7.4 ms, 1.03-1.06x
 more at K = 128-160; the deterministic mode (its partial-row stores in the same path) 2-5%
 less, bitwise equal. Two more arms staged dQ in the kv block's buffer (2: at the tile's
 end, 3: right after each consumer's dQ of the last block), so that the next tile's q/dO
-load would not wait for the staging: level with arm 1 at 0ad96c2, 8-13% slower than it at
+load would not wait for the staging: level with arm 1 at 0ad96c2, 9-16% slower than it at
 K >= 512 at 1e88615 (after the staging barrier's phase fix), and removed
 (docs/performance/backward.md#dq-by-tma).
 """

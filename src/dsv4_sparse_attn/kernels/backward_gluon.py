@@ -101,7 +101,7 @@ QD_EARLY = 2
 # release (the next tile's first quarters then land in q while the last block runs), so
 # where dQ goes by TMA the early release is off. On where measured: Triton 3.6; 0 the plain
 # stores. (Staging in the kv block's buffer instead, so that the next tile's q/dO load
-# need not wait for it, measured 8-13% slower at K >= 512 and was removed:
+# need not wait for it, measured 9-16% slower at K >= 512 and was removed:
 # docs/performance/backward.md#dq-by-tma.)
 DQ_TMA = 1 if TRITON_VERSION == (3, 6) else 0
 
