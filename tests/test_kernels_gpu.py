@@ -277,6 +277,45 @@ def test_gluon_backward_with_each_dq_store_matches_reference(monkeypatch, case, 
     check_backward(case, DEV, deterministic=deterministic, main=main)
 
 
+@pytest.mark.parametrize("split", [0, 2], ids=["unsplit", "double"])
+def test_gluon_backward_timeline(monkeypatch, split):
+    """``launch(trace=...)`` (measurement only; benchmarks/experiments/tile_timeline.py): the
+    same dQ as without it (bitwise: summed in registers in a fixed order) and grad_kv to fp32
+    rounding (atomics in any order), every tile of every program stamped, its events in order
+    (the producer's: tile, q/dO issued, first and last gather; each consumer's: tile, q/dO
+    landed, pieces done, end), the consumers seeing q/dO after the producer issued them."""
+    main = _gluon_bwd_or_skip(128)
+    monkeypatch.setattr(main, "SPLIT_ROLES", split)
+    case = Case(300, 128, 512, 700, 300, ids="deepseek")
+    q, kv, idx, sink = make_case(case, DEV)
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, case.D ** -0.5)
+    do = torch.randn_like(out)
+    T, H = q.shape[:2]
+    tr = torch.zeros(main.trace_shape(T, H, q.device, False), dtype=torch.int64, device=DEV)
+
+    def run(trace=None):
+        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, case.D ** -0.5, main=main,
+                                   deterministic=False, trace=trace)
+
+    plain, traced = run(), run(tr)
+    assert torch.equal(plain[0], traced[0])
+    torch.testing.assert_close(plain[1].float(), traced[1].float(), rtol=2e-2, atol=1e-3)
+    ev = {name: i for i, name in enumerate(main.TRACE_EVENTS)}
+    tr = tr.cpu()
+    n_tiles, grid = T * 2, tr.shape[0]
+    for p in range(grid):
+        n = len(range(p, n_tiles, grid))
+        e = tr[p, :n]
+        assert (e != 0).all() and (tr[p, n:] == 0).all()
+        for chain in (("p_tile", "p_qd", "p_first", "p_last"), ("c0_tile", "c0_qd", "c0_loop", "c0_end"),
+                      ("c1_tile", "c1_qd", "c1_loop", "c1_end")):
+            for a, b in zip(chain, chain[1:]):
+                assert (e[:, ev[a]] <= e[:, ev[b]]).all(), (p, a, b)
+        assert (e[:, ev["c0_qd"]] >= e[:, ev["p_qd"]]).all() and (e[:, ev["c1_qd"]] >= e[:, ev["p_qd"]]).all()
+    with pytest.raises(ValueError, match="trace"):
+        run(torch.zeros(1, 1, len(main.TRACE_EVENTS), dtype=torch.int64, device=DEV))
+
+
 def test_backward_without_grad_lse():
     check_backward(Case(16, 64, 512, 200, 160, ids="deepseek"), DEV, with_dlse=False)
 

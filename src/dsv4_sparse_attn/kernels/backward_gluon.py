@@ -118,6 +118,20 @@ _PDS2_READY = gl.constexpr(9)  # + P/dS buffer: SPLIT == 2 double-buffers P and 
 _PDS2_FREE = gl.constexpr(11)  # + P/dS buffer
 _N_BARS = gl.constexpr(13)
 _QD_FREE_EARLY = gl.constexpr(13)  # q's and dO's first QD_EARLY quarters (QD_EARLY: one more barrier)
+# Events of a tile's timeline (``launch(trace=...)``, measurement only): the producer's tile
+# start, q/dO issued (its wait for them free passed), the first and the last block's gather
+# issued; a consumer's (+ 4 * WG) tile start, q/dO landed, block loop left, tile's end.
+_EV_P_TILE = gl.constexpr(0)
+_EV_P_QD = gl.constexpr(1)
+_EV_P_FIRST = gl.constexpr(2)
+_EV_P_LAST = gl.constexpr(3)
+_EV_C_TILE = gl.constexpr(4)
+_EV_C_QD = gl.constexpr(5)
+_EV_C_LOOP = gl.constexpr(6)
+_EV_C_END = gl.constexpr(7)
+_N_EV = gl.constexpr(12)
+TRACE_EVENTS = ("p_tile", "p_qd", "p_first", "p_last", "c0_tile", "c0_qd", "c0_loop", "c0_end",
+                "c1_tile", "c1_qd", "c1_loop", "c1_end")
 # How many slot blocks a pair's leader may run ahead of its follower's adds (see
 # _consume_tile). H200, T=4096, H=128: 0 (lockstep) -8.8% backward time against no pacing
 # at K=1152 and K=512, 1 -7.5%, 2 -4%, 4 -1%
@@ -171,7 +185,7 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
     # through warp_specialize's argument tuple reaches the partition as a plain value, and
     # the rope code below then fails to lower when ROPE is 0). QD_TMA: Q and DO are
     # [T, H, D] tensor descriptors with [1, 64, 128] blocks, not pointers.
-    Q, DO, KV, IDX, LEN, ORDER = io
+    Q, DO, KV, IDX, LEN, ORDER, TR = io
     H, N, K = sizes
     stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it = strides
     q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars = smem
@@ -189,10 +203,14 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
         pid_t = t_begin + tile_token(ORDER, tile // n_hb, HAS_LEN)
         pid_h = tile % n_hb
         k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN)
+        if ABL & 16:
+            _stamp(TR, n_tiles, rank, tcount, _EV_P_TILE)
         # q and dO of this tile, once both consumers are done with the previous tile's
         # (a fresh mbarrier counts its phase "1" as complete: the first wait passes).
         if EARLY == 0:
             mbarrier.wait(bars.index(_QD_FREE), (tcount & 1) ^ 1)
+        if ABL & 16:
+            _stamp(TR, n_tiles, rank, tcount, _EV_P_QD)
         if QD_TMA:  # eight TMA tiles, counted in bytes on the barrier (heads past H: zeros)
             t32 = pid_t.to(gl.int32)  # (TMA coordinates are 32-bit)
             h32 = (pid_h * _BH).to(gl.int32)
@@ -244,6 +262,11 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
                     mbarrier.wait(bars.index(_KVR_FREE), free_phase)
                     async_load(kvr_smem.index(0), ptrs_r, mask=valid_r[:, None])
                 cp.mbarrier_arrive(bars.index(_KV_READY + half), increment_count=False)
+            if ABL & 16:
+                if j == 0:
+                    _stamp(TR, n_tiles, rank, tcount, _EV_P_FIRST)
+        if ABL & 16:
+            _stamp(TR, n_tiles, rank, tcount, _EV_P_LAST)
         tcount += 1
         bcount += nb_t
 
@@ -274,6 +297,7 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
     H, N, K = sizes
     LEN = io[7]
     ORDER = io[8]
+    TR = io[10]
     n_hb = gl.cdiv(H, _BH)
     tcount = 0
     bcount = 0  # slot blocks consumed so far (the barriers' phases)
@@ -281,6 +305,8 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
         pid_c = tile_token(ORDER, tile // n_hb, HAS_LEN)  # token within the chunk
         pid_h = tile % n_hb
         k_end, nb_t, g0 = _tile_blocks(LEN, t_begin + pid_c, K, nb, tcount, bcount, HAS_LEN)
+        if ABL & 16:
+            _stamp(TR, n_tiles, rank, tcount, _EV_C_TILE + 4 * WG)
         if SPLIT:
             _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
                                 pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT,
@@ -289,6 +315,8 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
             _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
                           pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST,
                           DQ_TMA, ABL)
+        if ABL & 16:
+            _stamp(TR, n_tiles, rank, tcount, _EV_C_END + 4 * WG)
         tcount += 1
         bcount += nb_t
 
@@ -441,7 +469,8 @@ def _store_dq_tma(DQ, dq0, dq1, buf, pid_t, pid_h, WG: gl.constexpr):
 
 @gluon.jit
 def _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, bars, g0, nb_t,
-                 WG: gl.constexpr, SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr):
+                 WG: gl.constexpr, SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr,
+                 TR, n_tiles, rank, tcount):
     """The end of consumer WG's tile in either schedule (``SPLIT`` 0: unsplit): its dQ half
     out (``DQ_TMA``: 0 plain stores, 1 through its q quarters by TMA)
     and q and dO released to the producer (``_QD_FREE``)."""
@@ -457,8 +486,12 @@ def _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, ba
                     mbarrier.wait(bars.index(_PDS2_FREE + (last & 1)), (last >> 1) & 1)
                 else:
                     mbarrier.wait(bars.index(_PDS_FREE), last & 1)
+        if ABL & 16:  # (the timeline: the last block's dKV pieces done, dQ not yet out)
+            _stamp(TR, n_tiles, rank, tcount, _EV_C_LOOP + 4 * WG)
         if (ABL & 1) == 0:  # (ablation 1: no dQ stores)
             _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
+    elif ABL & 16:
+        _stamp(TR, n_tiles, rank, tcount, _EV_C_LOOP + 4 * WG)
     mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
     if not DQ_TMA and (ABL & 1) == 0:  # (ablation 1: no dQ stores)
         _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
@@ -490,7 +523,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     q and dO (``_QD_FREE_EARLY``) once its dKV pieces are done with them; the other consumer
     (and both, in a tile without blocks) releases them at the tile's end, where both
     release the rest (``_QD_FREE``) as without."""
-    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR = io
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
     q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
@@ -509,6 +542,8 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
+    if ABL & 16:
+        _stamp(TR, n_tiles, rank, tcount, _EV_C_QD + 4 * WG)
     for jj in range(0, nb_t):
         j = _opaque(jj)  # (as in _consume_tile: the loop carries only its counter)
         g = g0 + j
@@ -581,7 +616,22 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     if EARLY > 0:  # (the last block's owner released the first quarters already)
         mbarrier.arrive(bars.index(_QD_FREE_EARLY), pred=(nb_t == 0) | ((g0 + nb_t - 1) % 2 != WG))
     _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, bars, g0, nb_t, WG,
-                 SPLIT, DQ_TMA, ABL)
+                 SPLIT, DQ_TMA, ABL, TR, n_tiles, rank, tcount)
+
+
+@gluon.jit
+def _stamp(TR, n_tiles, rank, tcount, ev):
+    """(``ABL & 16``, measurement only) The SM's cycle counter at event ``ev`` of this
+    program's ``tcount``-th tile, into TR [programs, tiles a program, _N_EV] int64."""
+    # (the row in asm with side effects: formed here, not shared with the tile's earlier
+    # stamps and kept live across the block loop, where ptxas then reloaded 38 spilled
+    # values a loop)
+    row = gl.inline_asm_elementwise(
+        "{ .reg .u32 m; add.u32 m, $2, $3; sub.u32 m, m, 1; div.u32 m, m, $3; mad.lo.u32 $0, $1, m, $4; }",
+        "=r,r,r,r,r", [rank, n_tiles, gl.num_programs(0), tcount], dtype=gl.int32, is_pure=False, pack=1)
+    t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [row], dtype=gl.int64, is_pure=False,
+                                  pack=1)
+    gl.store(TR + row.to(gl.int64) * _N_EV + ev, t)
 
 
 @gluon.jit
@@ -643,7 +693,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1): slot blocks 0..nb_t-1
     (the first of them the barriers' ``g0``-th), ids past slot ``k_end`` masked; ``nb``
     blocks per token in the partial-row buffer."""
-    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR = io
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
     q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
@@ -695,6 +745,8 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
+    if ABL & 16:
+        _stamp(TR, n_tiles, rank, tcount, _EV_C_QD + 4 * WG)
     for jj in range(0, nb_t):
         # (j opaque: the loop carries only its counter. With j itself, Triton 3.9's LLVM
         # widened the counter to 64 bits and kept g, z and the ids offsets as loop-carried
@@ -789,7 +841,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
             gl.atomic_add(done_ptr, 1, sem="relaxed", scope="gpu")
 
     _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, bars, g0, nb_t, WG, 0,
-                 DQ_TMA, ABL)
+                 DQ_TMA, ABL, TR, n_tiles, rank, tcount)
     if ROPE > 0:  # my rope columns of dQ: taken from the scratch, which is left zero
         # (column c of the scratch row sits at fake_col(c); relaxed: the adds above are this
         # thread's own)
@@ -808,7 +860,7 @@ _RUNTIME_INTS = ["H", "N", "K", "t_begin", "n_tiles", "paired", "stride_it", "st
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_main_gluon_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR,
+    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR,
     H, N, K, t_begin, n_tiles, paired,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh,
     stride_lt, stride_gt, stride_gh,
@@ -878,11 +930,11 @@ def _bwd_main_gluon_kernel(
     # even tile (the rank below) has started, so its wait always ends.
     rank = gl.atomic_add(FLAGS, 1, sem="relaxed")
     sizes = (H, N, K)
-    c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR), sizes,
+    c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR), sizes,
               (stride_it, stride_lt, stride_gt, stride_gh),
               (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars),
               (scale, scale_log2), t_begin, n_tiles, nb, rank, paired)
-    p_args = ((Q, DO, KV, IDX, LEN, ORDER), sizes,
+    p_args = ((Q, DO, KV, IDX, LEN, ORDER, TR), sizes,
               (stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it),
               (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars), t_begin, n_tiles, nb, rank, HAS_LEN, ABL)
     # The producer is the default partition (ptxas compiles it under MAXNREG; the
@@ -963,7 +1015,7 @@ def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, lines=None, order=None, evict_last=None, split=None,
-           qd_tma=None, qd_early=None, dq_tma=None, ablate=0):
+           qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -973,7 +1025,9 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     (measurement only; the gradients are then wrong): parts of a tile's work taken out,
     a sum of 1 (dQ stores), 2 (q/dO loads after a program's first tile, cp.async path),
     4 (lse/Delta loads: 0) and 8 (dKV reductions predicated off)
-    (benchmarks/experiments/tile_ablation_bench.py)."""
+    (benchmarks/experiments/tile_ablation_bench.py). ``trace`` (measurement only): an int64
+    tensor of ``trace_shape(n_tok, H, device, paired)`` that takes each tile's timeline, the
+    SM's cycle counter at the events of ``TRACE_EVENTS`` (benchmarks/experiments/tile_timeline.py)."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
@@ -997,9 +1051,14 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         early = 0
     q_arg, do_arg = (_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out)
     dq_arg = _qd_descriptor(grad_q) if dq_by_tma else grad_q
+    if trace is not None:
+        if tuple(trace.shape) != trace_shape(n_tok, H, q.device, paired) or trace.dtype != torch.int64:
+            raise ValueError(f"trace: int64 {trace_shape(n_tok, H, q.device, paired)}")
+        ablate = int(ablate) | 16
     _bwd_main_gluon_kernel[(grid,)](
         q_arg, kv, indices, do_arg, lse, delta, dq_arg, acc, partial if partial is not None else acc, flags,
         topk_length if topk_length is not None else indices, order if order is not None else indices, dqr,
+        trace if trace is not None else flags,
         H, N, K, t_begin, n_tiles, int(paired),
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
@@ -1009,6 +1068,13 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma, ABL=int(ablate),
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
+
+
+def trace_shape(n_tok: int, H: int, device, paired: bool) -> tuple[int, int, int]:
+    """``launch(trace=...)``'s shape: [programs, tiles a program, events]."""
+    n_tiles = n_tok * triton.cdiv(H, BLOCK_H)
+    grid = _programs(n_tiles, device, paired)
+    return (grid, triton.cdiv(n_tiles, grid), len(TRACE_EVENTS))
 
 
 def _qd_loads(q, grad_out, rope: int, split: int, K: int, qd_tma=None, qd_early=None) -> tuple[bool, int]:
