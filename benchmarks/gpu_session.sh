@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu_session.sh next   # the GPU tests of an option (NEXT_TESTS, a -k expression), then
 #                                          # its A/B next to cuDNN (NEXT_BENCH, a script in experiments/)
 #   bash benchmarks/gpu_session.sh ablate  # a tile's work taken apart (tile_ablation_bench.py)
+#   bash benchmarks/gpu_session.sh timeline  # a tile's timeline in the fast backward (tile_timeline.py)
 #   bash benchmarks/gpu_session.sh ncu-peer  # ncu stall profiles of the fast main kernel and
 #                                          # cuDNN's (benchmarks/experiments/ncu_peer.sh)
 #   bash benchmarks/gpu_session.sh triton-next  # GPU kernel tests and a quick bench under the
@@ -220,6 +221,15 @@ ablate)
     benchmarks/experiments/tile_ablation_bench.py 2>&1 | tail -3
   PYTHONPATH=$PYTHONPATH:/tmp/cudnn_site timeout 200 python3 benchmarks/experiments/tile_ablation_bench.py \
     .peers/cudnn_dsa 2>&1 | tee "$OUT/tile_ablation.jsonl"
+  ;;
+timeline)
+  # A tile's timeline in the fast backward (tile_timeline.py) after its GPU test; the four
+  # builds compile in parallel processes first. About 4 minutes.
+  timeout 200 python3 -m pytest -q -x -n 2 -p no:cacheprovider tests/test_kernels_gpu.py -k timeline 2>&1 \
+    | tail -4 | tee "$OUT/timeline_tests.log"
+  printf '%s\n' fast,0 fast,1 fast_qd_tma,0 fast_qd_tma,1 | timeout 200 xargs -P 4 -I{} env TIMELINE_WARM={} \
+    python3 benchmarks/experiments/tile_timeline.py 2>&1 | tail -3
+  timeout 330 python3 benchmarks/experiments/tile_timeline.py 2>&1 | tee "$OUT/tile_timeline.jsonl"
   ;;
 ncu-peer)
   # The fast backward next to cuDNN's: kernel times over a K sweep, then ncu stall profiles (about 5 minutes)

@@ -20,6 +20,7 @@ Prediction (docs/performance/backward.md#a-tiles-timeline): of the 13 us a tile 
 its blocks, the load and the dQ's way out take most; the producer reacts at once.
 """
 import json
+import os
 
 import torch
 
@@ -74,6 +75,15 @@ def split(tr, n_tiles, blocks):
     return res
 
 
+def warm(arm: str, traced: bool):
+    """Compile one build on a small case (TIMELINE_WARM="arm,0|1": the builds compile in
+    parallel processes before the timed run, which then finds them in the cache)."""
+    args = inputs(512, 64, 640, D)
+    tr = torch.zeros(G.trace_shape(512, 64, args[0].device, False), dtype=torch.int64, device="cuda")
+    run(args, trace=tr if traced else None, **dict(ARMS)[arm])
+    torch.cuda.synchronize()
+
+
 def main():
     for T, H, K in SHAPES:
         args = inputs(T, H, K, D)
@@ -100,4 +110,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if os.environ.get("TIMELINE_WARM"):
+        arm, traced = os.environ["TIMELINE_WARM"].split(",")
+        warm(arm, traced == "1")
+    else:
+        main()
