@@ -15,7 +15,6 @@
 #                                          # its A/B next to cuDNN (NEXT_BENCH, a script in experiments/)
 #   bash benchmarks/gpu_session.sh ablate  # a tile's work taken apart (tile_ablation_bench.py)
 #   bash benchmarks/gpu_session.sh timeline  # a tile's timeline in the fast backward (tile_timeline.py)
-#   bash benchmarks/gpu_session.sh ids-ahead  # the next tile's ids loaded ahead (ids_ahead_bench.py)
 #   bash benchmarks/gpu_session.sh ncu-peer  # ncu stall profiles of the fast main kernel and
 #                                          # cuDNN's (benchmarks/experiments/ncu_peer.sh)
 #   bash benchmarks/gpu_session.sh triton-next  # GPU kernel tests and a quick bench under the
@@ -224,27 +223,13 @@ ablate)
     .peers/cudnn_dsa 2>&1 | tee "$OUT/tile_ablation.jsonl"
   ;;
 timeline)
-  # A tile's timeline in the fast backward (tile_timeline.py) after its GPU test; the six
+  # A tile's timeline in the fast backward (tile_timeline.py) after its GPU test; the four
   # builds compile in parallel processes first. About 4 minutes.
   timeout 200 python3 -m pytest -q -x -n 2 -p no:cacheprovider tests/test_kernels_gpu.py -k timeline 2>&1 \
     | tail -4 | tee "$OUT/timeline_tests.log"
-  printf '%s\n' fast,0 fast,1 fast_qd_tma,0 fast_qd_tma,1 fast_qd_tma_ids,0 fast_qd_tma_ids,1 \
-    | timeout 200 xargs -P 6 -I{} env TIMELINE_WARM={} python3 benchmarks/experiments/tile_timeline.py 2>&1 | tail -3
+  printf '%s\n' fast,0 fast,1 fast_qd_tma,0 fast_qd_tma,1 | timeout 200 xargs -P 4 -I{} env TIMELINE_WARM={} \
+    python3 benchmarks/experiments/tile_timeline.py 2>&1 | tail -3
   timeout 330 python3 benchmarks/experiments/tile_timeline.py 2>&1 | tee "$OUT/tile_timeline.jsonl"
-  ;;
-ids-ahead)
-  # The next tile's ids loaded ahead (ids_ahead_bench.py): its arms compile in parallel while
-  # cuDNN's kit installs, then its GPU tests, then the A/B next to cuDNN. About 9 minutes.
-  timeout 120 bash .peers/cudnn_dsa/install.sh > "$OUT/cudnn_install.log" 2>&1 &
-  printf '%s\n' fast fast_ids fast_tma fast_tma_ids det det_ids | timeout 150 xargs -P 6 -I{} env IDS_WARM={} \
-    python3 benchmarks/experiments/ids_ahead_bench.py 2>&1 | tail -3
-  timeout 180 python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels_gpu.py -k "ids_ahead or timeline" \
-    2>&1 | tail -5 | tee "$OUT/ids_ahead_tests.log"
-  wait
-  if grep -q " passed" "$OUT/ids_ahead_tests.log" && ! grep -q -E "failed|error" "$OUT/ids_ahead_tests.log"; then
-    PYTHONPATH=$PYTHONPATH:/tmp/cudnn_site timeout ${IDS_BENCH_TIMEOUT:-240} python3 \
-      benchmarks/experiments/ids_ahead_bench.py .peers/cudnn_dsa 2>&1 | tee "$OUT/ids_ahead.jsonl"
-  fi
   ;;
 ncu-peer)
   # The fast backward next to cuDNN's: kernel times over a K sweep, then ncu stall profiles (about 5 minutes)

@@ -277,28 +277,6 @@ def test_gluon_backward_with_each_dq_store_matches_reference(monkeypatch, case, 
     check_backward(case, DEV, deterministic=deterministic, main=main)
 
 
-@pytest.mark.parametrize("qd_tma", [False, True], ids=["qd_cp_async", "qd_tma"])
-@pytest.mark.parametrize("split", [0, 2], ids=["unsplit", "double"])
-@pytest.mark.parametrize("case", _EARLY_CASES + [Case(300, 64, 512, 900, 640, ids="deepseek", lengths=True)],
-                         ids=str)
-@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
-def test_gluon_backward_with_ids_ahead_matches_reference(monkeypatch, case, deterministic, split, qd_tma):
-    """The next tile's first ids loaded with the last block's gather
-    (``backward_gluon.IDS_AHEAD``), q and dO by cp.async and by TMA, in both schedules:
-    against the float64 oracle (tiles of 0, 1 and many blocks, more tiles than SMs, lengths
-    with empty tiles, padding heads, a head-block pair), and the deterministic mode bitwise
-    equal to the default producer (the same rows gathered)."""
-    main = _gluon_bwd_or_skip(case.H)
-    monkeypatch.setattr(main, "SPLIT_ROLES", split)
-    monkeypatch.setattr(main, "SPLIT_ROLES_DET", split)
-    monkeypatch.setattr(main, "QD_TMA", qd_tma)
-    monkeypatch.setattr(main, "QD_EARLY", 0)
-    if deterministic:
-        _assert_det_bitwise(monkeypatch, main, case, {}, {"IDS_AHEAD": True})
-    monkeypatch.setattr(main, "IDS_AHEAD", True)
-    check_backward(case, DEV, deterministic=deterministic, main=main)
-
-
 @pytest.mark.parametrize("split", [0, 2], ids=["unsplit", "double"])
 def test_gluon_backward_timeline(monkeypatch, split):
     """``launch(trace=...)`` (measurement only; benchmarks/experiments/tile_timeline.py): the

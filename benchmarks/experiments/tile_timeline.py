@@ -32,10 +32,9 @@ from side_by_side import bench, inputs
 D = 512
 GHZ = 1.98
 SHAPES = [(4096, 128, 1152), (4096, 64, 640), (4096, 128, 512), (4096, 128, 128), (4096, 64, 160)]
-# (name, launch options): the default fast mode (q/dO by cp.async at K > 256, TMA below),
-# q/dO by TMA at every K, and with the next tile's first ids loaded ahead
-ARMS = [("fast", {}), ("fast_qd_tma", {"qd_tma": True}),
-        ("fast_qd_tma_ids", {"qd_tma": True, "ids_ahead": True})]
+# (name, launch options): the default fast mode (q/dO by cp.async at K > 256, TMA below), and
+# q/dO by TMA at every K
+ARMS = [("fast", {}), ("fast_qd_tma", {"qd_tma": True})]
 EV = {name: i for i, name in enumerate(G.TRACE_EVENTS)}
 
 

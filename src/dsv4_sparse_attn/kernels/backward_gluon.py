@@ -104,11 +104,6 @@ QD_EARLY = 2
 # need not wait for it, measured 9-16% slower at K >= 512 and was removed:
 # docs/performance/backward.md#dq-by-tma.)
 DQ_TMA = 1 if TRITON_VERSION == (3, 6) else 0
-# The producer loads the next tile's first block's ids with its last block's gather
-# (``launch(ids_ahead=...)``), so that the next tile's first gather does not wait for a
-# global load after q and dO are issued (a tile's timeline: the first gather issued 1.8-3.0
-# us after q and dO, docs/performance/backward.md#a-tiles-timeline).
-IDS_AHEAD = False
 
 
 # mbarrier slots
@@ -156,48 +151,36 @@ _DQ_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4,
 @gluon.jit
 def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
               ABL: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, False, 0, False)
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, False, 0)
 
 
 @gluon.jit
 def _producer_rope(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
                    ABL: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 64, False, 0, False)
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 64, False, 0)
 
 
 @gluon.jit
 def _producer_qd_tma(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
                      ABL: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, True, 0, False)
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, True, 0)
 
 
 @gluon.jit
 def _producer_qd_early2(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
                         ABL: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, True, 2, False)
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, True, 2)
 
 
 @gluon.jit
 def _producer_qd_early3(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
                         ABL: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, True, 3, False)
-
-
-@gluon.jit
-def _producer_ids(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
-                  ABL: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, False, 0, True)
-
-
-@gluon.jit
-def _producer_qd_tma_ids(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
-                         ABL: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, True, 0, True)
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, True, 3)
 
 
 @gluon.jit
 def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr, ABL: gl.constexpr,
-             ROPE: gl.constexpr, QD_TMA: gl.constexpr, EARLY: gl.constexpr, IDS_AHEAD: gl.constexpr):
+             ROPE: gl.constexpr, QD_TMA: gl.constexpr, EARLY: gl.constexpr):
     # (ROPE, QD_TMA and EARLY arrive as literals from the _producer* wrappers: a constexpr passed
     # through warp_specialize's argument tuple reaches the partition as a plain value, and
     # the rope code below then fails to lower when ROPE is 0). QD_TMA: Q and DO are
@@ -216,8 +199,6 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
     n_hb = gl.cdiv(H, _BH)
     tcount = 0
     bcount = 0  # slot blocks gathered so far (the barriers' phases)
-    if IDS_AHEAD:  # the first block's ids of the program's first tile (rank < n_tiles)
-        ids = _first_ids(IDX, LEN, ORDER, t_begin, rank, n_tiles, n_hb, K, stride_it, offs_r, HAS_LEN)
     for tile in range(rank, n_tiles, gl.num_programs(0)):
         pid_t = t_begin + tile_token(ORDER, tile // n_hb, HAS_LEN)
         pid_h = tile % n_hb
@@ -260,8 +241,7 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
             cp.mbarrier_arrive(bars.index(_QD_READY), increment_count=False)
 
         idx_row = IDX + pid_t * stride_it
-        if not IDS_AHEAD:  # (else the previous tile's last block, or the start, loaded them)
-            ids = load_ids(idx_row, 0, k_end, offs_r)
+        ids = load_ids(idx_row, 0, k_end, offs_r)
         for j in range(0, nb_t):
             free_phase = ((g0 + j) & 1) ^ 1
             ids64 = ids.to(gl.int64)
@@ -273,14 +253,7 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
                 ids_r = load_ids(idx_row, j * _BK, k_end, offs_rr).to(gl.int64)
                 valid_r = (ids_r >= 0) & (ids_r < N)
                 ptrs_r = KV + gl.where(valid_r, ids_r, 0)[:, None] * stride_kvn + offs_rd[None, :]
-            if IDS_AHEAD:
-                if j + 1 == nb_t:  # the next tile's first block's, ahead
-                    ids = _first_ids(IDX, LEN, ORDER, t_begin, tile + gl.num_programs(0), n_tiles, n_hb, K,
-                                     stride_it, offs_r, HAS_LEN)
-                else:
-                    ids = load_ids(idx_row, (j + 1) * _BK, k_end, offs_r)
-            else:
-                ids = load_ids(idx_row, (j + 1) * _BK, k_end, offs_r)  # next block's ids, ahead
+            ids = load_ids(idx_row, (j + 1) * _BK, k_end, offs_r)  # next block's ids, ahead
             for half in gl.static_range(2):
                 mbarrier.wait(bars.index(_KV_FREE + half), free_phase)
                 async_load(kv_smem.index(2 * half), ptrs + (2 * half) * _QD, mask=vm)
@@ -292,24 +265,10 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
             if ABL & 16:
                 if j == 0:
                     _stamp(TR, n_tiles, rank, tcount, _EV_P_FIRST)
-        if IDS_AHEAD:
-            if nb_t == 0:  # (no block loaded them)
-                ids = _first_ids(IDX, LEN, ORDER, t_begin, tile + gl.num_programs(0), n_tiles, n_hb, K,
-                                 stride_it, offs_r, HAS_LEN)
         if ABL & 16:
             _stamp(TR, n_tiles, rank, tcount, _EV_P_LAST)
         tcount += 1
         bcount += nb_t
-
-
-@gluon.jit
-def _first_ids(IDX, LEN, ORDER, t_begin, tile, n_tiles, n_hb, K, stride_it, offs, HAS_LEN: gl.constexpr):
-    """The ids of tile ``tile``'s first slot block (all -1 past the chunk's last tile)."""
-    has = (tile < n_tiles).to(gl.int32)
-    pos = (tile - (tile - n_tiles + 1) * (1 - has)) // n_hb  # (past the last tile: the last one's)
-    pid_t = t_begin + tile_token(ORDER, pos, HAS_LEN)
-    k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, 1, 0, 0, HAS_LEN)
-    return load_ids(IDX + pid_t * stride_it, 0, k_end * has, offs)
 
 
 @gluon.jit
@@ -916,14 +875,11 @@ def _bwd_main_gluon_kernel(
     QD_EARLY: gl.constexpr = 0,
     DQ_TMA: gl.constexpr = 0,
     ABL: gl.constexpr = 0,
-    IDS_AHEAD: gl.constexpr = False,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
     gl.static_assert(not SPLIT or ROPE == 0, "split roles: D = 512 (no score-only columns)")
     gl.static_assert(not QD_TMA or ROPE == 0, "q and dO by TMA: D = 512 (no score-only columns)")
-    gl.static_assert(not IDS_AHEAD or (ROPE == 0 and QD_EARLY == 0),
-                     "ids ahead: D = 512, q and dO not released early")
     gl.static_assert(QD_EARLY == 0 or (QD_TMA and SPLIT > 0 and (QD_EARLY == 2 or QD_EARLY == 3)),
                      "q and dO released early: 2 or 3 quarters, by TMA, split schedules")
     gl.static_assert(not DQ_TMA or (ROPE == 0 and QD_EARLY == 0),
@@ -998,18 +954,8 @@ def _bwd_main_gluon_kernel(
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
-    elif QD_TMA and IDS_AHEAD:
-        gl.warp_specialize([(_producer_qd_tma_ids, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL))],
-                           [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_TMA:
         gl.warp_specialize([(_producer_qd_tma, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL))],
-                           [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
-    elif IDS_AHEAD:
-        gl.warp_specialize([(_producer_ids, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
@@ -1069,7 +1015,7 @@ def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, lines=None, order=None, evict_last=None, split=None,
-           qd_tma=None, qd_early=None, dq_tma=None, ids_ahead=None, ablate=0, trace=None):
+           qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -1120,7 +1066,6 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         D=grad_out.shape[-1], RED=red_mode(partial is not None, lines), HAS_LEN=topk_length is not None,
         EVICT_LAST=bool(RED_EVICT_LAST if evict_last is None else evict_last) and partial is None,
         ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma, ABL=int(ablate),
-        IDS_AHEAD=bool(IDS_AHEAD if ids_ahead is None else ids_ahead) and rope == 0 and early == 0,
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
 
