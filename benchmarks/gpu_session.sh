@@ -224,11 +224,11 @@ ablate)
     .peers/cudnn_dsa 2>&1 | tee "$OUT/tile_ablation.jsonl"
   ;;
 timeline)
-  # A tile's timeline in the fast backward (tile_timeline.py) after its GPU test; the four
+  # A tile's timeline in the fast backward (tile_timeline.py) after its GPU test; the six
   # builds compile in parallel processes first. About 4 minutes.
   timeout 200 python3 -m pytest -q -x -n 2 -p no:cacheprovider tests/test_kernels_gpu.py -k timeline 2>&1 \
     | tail -4 | tee "$OUT/timeline_tests.log"
-  printf '%s\n' fast,0 fast,1 fast_qd_tma,0 fast_qd_tma,1 | timeout 200 xargs -P 4 -I{} env TIMELINE_WARM={} \
+  printf '%s\n' fast,0 fast,1 fast_qd_tma,0 fast_qd_tma,1 fast_delta,0 fast_delta,1 | timeout 200 xargs -P 6 -I{} env TIMELINE_WARM={} \
     python3 benchmarks/experiments/tile_timeline.py 2>&1 | tail -3
   timeout 330 python3 benchmarks/experiments/tile_timeline.py 2>&1 | tee "$OUT/tile_timeline.jsonl"
   ;;

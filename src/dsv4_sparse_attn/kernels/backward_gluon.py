@@ -125,7 +125,7 @@ _PDS2_FREE = gl.constexpr(11)  # + P/dS buffer
 _N_BARS = gl.constexpr(13)
 _QD_FREE_EARLY = gl.constexpr(13)  # q's and dO's first QD_EARLY quarters (QD_EARLY: one more barrier)
 _O_READY = gl.constexpr(14)  # (DELTA_IN: the tile's O rows, by TMA, in the kv buffer)
-_DELTA_READY = gl.constexpr(15)  # (DELTA_IN: the tile's Delta, from the producer, in shared memory)
+_O_FREE = gl.constexpr(15)  # (DELTA_IN: both consumers' halves of Delta summed, O read: count 2)
 # Events of a tile's timeline (``launch(trace=...)``, measurement only): the producer's tile
 # start, q/dO issued (its wait for them free passed), the first and the last block's gather
 # issued; a consumer's (+ 4 * WG) tile start, q/dO landed, block loop left, tile's end.
@@ -263,8 +263,8 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
 
         idx_row = IDX + pid_t * stride_it
         ids = load_ids(idx_row, 0, k_end, offs_r)
-        if DELTA_IN:  # the tile's Delta from O (kv buffer) and dO, before the first gather replaces O
-            _producer_delta(kv_smem, do_smem, dl_smem, bars, DELTA, H, pid_t, pid_h, tcount)
+        if DELTA_IN:  # the first gather replaces O once both consumers have summed their halves
+            _delta_out(dl_smem, bars, DELTA, H, pid_t, pid_h, tcount)
         for j in range(0, nb_t):
             free_phase = ((g0 + j) & 1) ^ 1
             ids64 = ids.to(gl.int64)
@@ -295,27 +295,39 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
 
 
 @gluon.jit
-def _producer_delta(kv_smem, do_smem, dl_smem, bars, DELTA, H, pid_t, pid_h, tcount):
-    """(DELTA_IN) The tile's 64 Delta values, rowsum(O * dO) - dLSE (DELTA holds dLSE, or
-    zeros), from O in the kv buffer and dO in its quarters, [32, 64] pieces in a fixed order
-    (deterministic); written to DELTA (for grad_sink) and to ``dl_smem`` for the consumers."""
-    dl_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [32, 64]: 16 values a thread
-    mbarrier.wait(bars.index(_QD_READY), tcount & 1)
+def _tile_delta(kv_smem, do_smem, dl_smem, bars, DELTA, H, pid_t, pid_h, tcount, dlse, WG: gl.constexpr):
+    """(DELTA_IN) The tile's 64 Delta values, rowsum(O * dO) - dLSE, in S's row layout: each
+    consumer sums its D half (O in its kv half, dO in its quarters; [64, 64] pieces in a
+    fixed order), the halves meet in shared memory and both consumers add them in the same
+    order (deterministic, the same in both). ``dlse``: DELTA's values on entry (dLSE or
+    zeros), which the producer replaces with Delta (``_delta_out``)."""
+    dl_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64, 64]: 32 values a thread
     mbarrier.wait(bars.index(_O_READY), tcount & 1)
-    for r in gl.static_range(2):  # heads [32 r, 32 r + 32)
-        acc = gl.zeros([32], gl.float32, layout=gl.SliceLayout(1, dl_l))
-        for c in range(4):  # (a run-time loop: one piece's values live at a time)
-            for s in gl.static_range(2):
-                o = kv_smem.index(c).slice(32 * r, 32, dim=0).slice(64 * s, 64, dim=1).load(dl_l)
-                d = do_smem.index(c).slice(32 * r, 32, dim=0).slice(64 * s, 64, dim=1).load(dl_l)
-                acc += gl.sum(o.to(gl.float32) * d.to(gl.float32), axis=1)
-        h = pid_h * _BH + 32 * r + gl.arange(0, 32, layout=gl.SliceLayout(1, dl_l))
-        ptrs = DELTA + pid_t * H + h
-        delta = acc - gl.load(ptrs, mask=h < H, other=0.0)
-        gl.store(ptrs, delta, mask=h < H)
-        dl_smem.slice(32 * r, 32).store(delta)
-    thread_barrier()  # every producer thread done reading O (the first gather replaces it), Delta stored
-    mbarrier.arrive(bars.index(_DELTA_READY))
+    part = gl.zeros([_BH], gl.float32, layout=gl.SliceLayout(1, dl_l))
+    for c in gl.static_range(2):
+        for hh in gl.static_range(2):
+            o = kv_smem.index(2 * WG + c).slice(64 * hh, 64, dim=1).load(dl_l)
+            d = do_smem.index(2 * WG + c).slice(64 * hh, 64, dim=1).load(dl_l)
+            part += gl.sum(o.to(gl.float32) * d.to(gl.float32), axis=1)
+    dl_smem.index(WG).store(part)
+    mbarrier.arrive(bars.index(_O_FREE))  # (also: my half is in dl_smem)
+    mbarrier.wait(bars.index(_O_FREE), tcount & 1)
+    row_l: gl.constexpr = gl.SliceLayout(1, _S_L)
+    return dl_smem.index(0).load(row_l) + dl_smem.index(1).load(row_l) - dlse
+
+
+@gluon.jit
+def _delta_out(dl_smem, bars, DELTA, H, pid_t, pid_h, tcount):
+    """(DELTA_IN, the producer) Once both consumers' halves are in: Delta to DELTA for
+    grad_sink, summed as the consumers sum it (the same bits). (Written by a consumer, the
+    store's address stayed live across its block loop, where ptxas then reloaded 38 values.)"""
+    l1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    h = pid_h * _BH + gl.arange(0, _BH, layout=l1)
+    ptrs = DELTA + pid_t * H + h
+    dlse = gl.load(ptrs, mask=h < H, other=0.0)
+    mbarrier.wait(bars.index(_O_FREE), tcount & 1)
+    delta = dl_smem.index(0).load(l1) + dl_smem.index(1).load(l1) - dlse
+    gl.store(ptrs, delta, mask=h < H)
 
 
 @gluon.jit
@@ -589,9 +601,8 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
-    if DELTA_IN:  # Delta from the producer (the load in _tile_start is dead then)
-        mbarrier.wait(bars.index(_DELTA_READY), tcount & 1)
-        delta = dl_smem.load(gl.SliceLayout(1, _S_L))
+    if DELTA_IN:  # Delta here (_tile_start's load read dLSE)
+        delta = _tile_delta(kv_smem, do_smem, dl_smem, bars, DELTA, H, pid_t, pid_h, tcount, delta, WG)
     if ABL & 16:
         _stamp(TR, n_tiles, rank, tcount, _EV_C_QD + 4 * WG)
     for jj in range(0, nb_t):
@@ -796,9 +807,8 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
-    if DELTA_IN:  # Delta from the producer (the load in _tile_start is dead then)
-        mbarrier.wait(bars.index(_DELTA_READY), tcount & 1)
-        delta = dl_smem.load(gl.SliceLayout(1, _S_L))
+    if DELTA_IN:  # Delta here (_tile_start's load read dLSE)
+        delta = _tile_delta(kv_smem, do_smem, dl_smem, bars, DELTA, H, pid_t, pid_h, tcount, delta, WG)
     if ABL & 16:
         _stamp(TR, n_tiles, rank, tcount, _EV_C_QD + 4 * WG)
     for jj in range(0, nb_t):
@@ -965,8 +975,9 @@ def _bwd_main_gluon_kernel(
     if DELTA_IN:
         bars = gl.allocate_shared_memory(gl.int64, [_N_BARS + 3, 1], mbarrier.MBarrierLayout())
         mbarrier.init(bars.index(_O_READY), count=1)
-        mbarrier.init(bars.index(_DELTA_READY), count=1)
-        dl_smem = gl.allocate_shared_memory(gl.float32, [_BH], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        mbarrier.init(bars.index(_O_FREE), count=2)
+        dl_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        dl_smem = gl.allocate_shared_memory(gl.float32, [2, _BH], dl_layout)  # the consumers' halves of Delta
     elif QD_EARLY > 0:
         bars = gl.allocate_shared_memory(gl.int64, [_N_BARS + 1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(bars.index(_QD_FREE_EARLY), count=2)
