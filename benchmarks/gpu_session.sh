@@ -15,7 +15,6 @@
 #                                          # its A/B next to cuDNN (NEXT_BENCH, a script in experiments/)
 #   bash benchmarks/gpu_session.sh ablate  # a tile's work taken apart (tile_ablation_bench.py)
 #   bash benchmarks/gpu_session.sh timeline  # a tile's timeline in the fast backward (tile_timeline.py)
-#   bash benchmarks/gpu_session.sh delta-in  # Delta in the main kernel's producer (delta_in_bench.py)
 #   bash benchmarks/gpu_session.sh ncu-peer  # ncu stall profiles of the fast main kernel and
 #                                          # cuDNN's (benchmarks/experiments/ncu_peer.sh)
 #   bash benchmarks/gpu_session.sh triton-next  # GPU kernel tests and a quick bench under the
@@ -224,27 +223,13 @@ ablate)
     .peers/cudnn_dsa 2>&1 | tee "$OUT/tile_ablation.jsonl"
   ;;
 timeline)
-  # A tile's timeline in the fast backward (tile_timeline.py) after its GPU test; the six
+  # A tile's timeline in the fast backward (tile_timeline.py) after its GPU test; the four
   # builds compile in parallel processes first. About 4 minutes.
   timeout 200 python3 -m pytest -q -x -n 2 -p no:cacheprovider tests/test_kernels_gpu.py -k timeline 2>&1 \
     | tail -4 | tee "$OUT/timeline_tests.log"
-  printf '%s\n' fast,0 fast,1 fast_qd_tma,0 fast_qd_tma,1 fast_delta,0 fast_delta,1 | timeout 200 xargs -P 6 -I{} env TIMELINE_WARM={} \
+  printf '%s\n' fast,0 fast,1 fast_qd_tma,0 fast_qd_tma,1 | timeout 200 xargs -P 4 -I{} env TIMELINE_WARM={} \
     python3 benchmarks/experiments/tile_timeline.py 2>&1 | tail -3
   timeout 330 python3 benchmarks/experiments/tile_timeline.py 2>&1 | tee "$OUT/tile_timeline.jsonl"
-  ;;
-delta-in)
-  # Delta formed by the main kernel's producer (delta_in_bench.py): its arms compile in
-  # parallel while cuDNN's kit installs, then its GPU tests, then the A/B next to cuDNN.
-  timeout 120 bash .peers/cudnn_dsa/install.sh > "$OUT/cudnn_install.log" 2>&1 &
-  printf '%s\n' fast fast_tma fast_delta det det_delta | timeout 150 xargs -P 5 -I{} env DELTA_WARM={} \
-    python3 benchmarks/experiments/delta_in_bench.py 2>&1 | tail -3
-  timeout 200 python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels_gpu.py -k "delta_in_kernel" \
-    2>&1 | tail -5 | tee "$OUT/delta_in_tests.log"
-  wait
-  if grep -q " passed" "$OUT/delta_in_tests.log" && ! grep -q -E "failed|error" "$OUT/delta_in_tests.log"; then
-    PYTHONPATH=$PYTHONPATH:/tmp/cudnn_site timeout ${DELTA_BENCH_TIMEOUT:-240} python3 \
-      benchmarks/experiments/delta_in_bench.py .peers/cudnn_dsa 2>&1 | tee "$OUT/delta_in.jsonl"
-  fi
   ;;
 ncu-peer)
   # The fast backward next to cuDNN's: kernel times over a K sweep, then ncu stall profiles (about 5 minutes)

@@ -186,7 +186,7 @@ FWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", SINK="*fp32", OUT="*bf16", L
 FWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_ot", "stride_oh")
 BWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", DO="*bf16", LSE="*fp32", DELTA="*fp32",
                  DQ="*bf16", DKV="*fp32", ACC="*fp32", PARTIAL="*fp32", FLAGS="*i32", LEN="*i32",
-                 ORDER="*i32", DQR="*fp32", TR="*i32", OUT="*bf16",
+                 ORDER="*i32", DQR="*fp32", TR="*i32",
                  scale="fp32",
                  scale_log2="fp32")
 BWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_dt", "stride_dh", "stride_gt", "stride_gh")
@@ -226,8 +226,7 @@ def compile_forward_gluon(has_sink=True, run_ptxas=True, has_len=False, rope=0) 
 
 
 def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None, rope=0,
-                           evict_last=False, split=0, qd_tma=False, qd_early=0, dq_tma=False,
-                           delta_in=False) -> dict:
+                           evict_last=False, split=0, qd_tma=False, qd_early=0, dq_tma=False) -> dict:
     """``red``: the fast mode (16-byte reductions, in whole lines unless ``lines`` is False;
     default: as the launcher does); else the deterministic partial rows."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
@@ -240,9 +239,8 @@ def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None,
         from triton.experimental.gluon import language as gl
         layout = gl.NVMMASharedLayout.get_default_for([1, G.BLOCK_H, 128], gl.bfloat16)
         desc = f"tensordesc<bf16[1, {G.BLOCK_H}, 128],{layout!r}>"
-        types = {**BWD_TYPES, "Q": desc, "DO": desc, "OUT": desc}  # (OUT: q's descriptor without delta_in)
+        types = {**BWD_TYPES, "Q": desc, "DO": desc}
         consts["QD_TMA"] = True
-        consts["DELTA_IN"] = delta_in
         consts["QD_EARLY"] = qd_early
     if dq_tma:  # dQ as the same kind of descriptor (launch: _qd_descriptor(grad_q))
         from triton.experimental.gluon import language as gl

@@ -278,33 +278,6 @@ def test_gluon_backward_with_each_dq_store_matches_reference(monkeypatch, case, 
 
 
 @pytest.mark.parametrize("split", [0, 2], ids=["unsplit", "double"])
-@pytest.mark.parametrize("case", _EARLY_CASES + [Case(300, 64, 512, 900, 640, ids="deepseek", lengths=True),
-                                                 Case(40, 16, 512, 300, 200, ids="dup", noncontig=True),
-                                                 Case(8, 64, 512, 100, 96, sink_scale=30.0)], ids=str)
-@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
-def test_gluon_backward_with_delta_in_kernel_matches_reference(monkeypatch, case, deterministic, split):
-    """Delta formed by the main kernel's producer (``backward_gluon.DELTA_IN_KERNEL``: O by TMA
-    into the kv buffer, summed against dO) in both schedules: against the float64 oracle
-    with grad_lse (Delta's dLSE term) and grad_sink (which reads the Delta the kernel writes),
-    tiles of 0, 1 and many blocks, lengths with empty tiles, padding heads, a head-block pair,
-    strided dO and O (by TMA with their strides), a large sink; poisoned grad_q. The
-    deterministic mode stays bitwise repeatable (its Delta sums in a fixed order)."""
-    main = _gluon_bwd_or_skip(case.H)
-    monkeypatch.setattr(main, "SPLIT_ROLES", split)
-    monkeypatch.setattr(main, "SPLIT_ROLES_DET", split)
-    monkeypatch.setattr(main, "DELTA_IN_KERNEL", True)
-    q, kv, idx, sink = make_case(case, DEV)
-    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, case.D ** -0.5)
-    assert main.takes_delta(q, torch.randn_like(out), out)
-    if deterministic:
-        do, dl = torch.randn_like(out), torch.randn_like(lse)
-        a, b = (kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, case.D ** -0.5, main=main)
-                for _ in range(2))
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
-    check_backward(case, DEV, deterministic=deterministic, main=main)
-
-
-@pytest.mark.parametrize("split", [0, 2], ids=["unsplit", "double"])
 def test_gluon_backward_timeline(monkeypatch, split):
     """``launch(trace=...)`` (measurement only; benchmarks/experiments/tile_timeline.py): the
     same dQ as without it (bitwise: summed in registers in a fixed order) and grad_kv to fp32

@@ -33,9 +33,8 @@ D = 512
 GHZ = 1.98
 SHAPES = [(4096, 128, 1152), (4096, 64, 640), (4096, 128, 512), (4096, 128, 128), (4096, 64, 160)]
 # (name, launch options): the default fast mode (q/dO by cp.async at K > 256, TMA below), and
-# q/dO by TMA at every K, and Delta formed in the kernel (its consumers' q/dO event comes
-# after their Delta)
-ARMS = [("fast", {}), ("fast_qd_tma", {"qd_tma": True}), ("fast_delta", {"delta_in_kernel": True})]
+# q/dO by TMA at every K
+ARMS = [("fast", {}), ("fast_qd_tma", {"qd_tma": True})]
 EV = {name: i for i, name in enumerate(G.TRACE_EVENTS)}
 
 

@@ -246,19 +246,9 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     if grad_q is None:  # tests pass a poisoned buffer to catch unwritten elements
         grad_q = torch.empty((T, H, D), dtype=q.dtype, device=dev)
     acc = torch.zeros((N, D), dtype=torch.float32, device=dev)
-    # Delta in the main kernel (its producer, where it can: ``main.takes_delta``): ``delta``
-    # then holds dLSE (or zeros) on the way in
-    delta_in = hasattr(main, "takes_delta") and main.takes_delta(q, grad_out, out,
-                                                                 main_options.pop("delta_in_kernel", None))
-    if delta_in:
-        main_options = dict(main_options, out=out)
-        delta = torch.zeros((T, H), dtype=torch.float32, device=dev)
-        if grad_lse is not None:
-            delta.copy_(grad_lse)
-    else:
-        delta = torch.empty((T, H), dtype=torch.float32, device=dev)
+    delta = torch.empty((T, H), dtype=torch.float32, device=dev)
     d_v = grad_out.shape[-1]  # Delta runs over the value columns
-    if T > 0 and not delta_in:
+    if T > 0:
         dh = min(next_pow2(H), max(1, 8192 // d_v))
         _bwd_delta_kernel[(T, triton.cdiv(H, dh))](
             out, grad_out, grad_lse if grad_lse is not None else delta, delta,

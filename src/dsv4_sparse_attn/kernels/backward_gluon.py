@@ -104,12 +104,6 @@ QD_EARLY = 2
 # need not wait for it, measured 9-16% slower at K >= 512 and was removed:
 # docs/performance/backward.md#dq-by-tma.)
 DQ_TMA = 1 if TRITON_VERSION == (3, 6) else 0
-# Delta = rowsum(O * dO) - dLSE formed by the producer (``sparse_mla_bwd(delta_in_kernel=...)``),
-# not by a kernel of its own that reads O and dO before the main kernel (3-7% of the fast
-# backward at K >= 512): the producer loads the tile's O rows by TMA into the kv buffer as
-# soon as the last block is done with it, and sums them against dO in shared memory before
-# the first gather. Needs q, dO and O by TMA (D = 512).
-DELTA_IN_KERNEL = False
 
 
 # mbarrier slots
@@ -124,8 +118,6 @@ _PDS2_READY = gl.constexpr(9)  # + P/dS buffer: SPLIT == 2 double-buffers P and 
 _PDS2_FREE = gl.constexpr(11)  # + P/dS buffer
 _N_BARS = gl.constexpr(13)
 _QD_FREE_EARLY = gl.constexpr(13)  # q's and dO's first QD_EARLY quarters (QD_EARLY: one more barrier)
-_O_READY = gl.constexpr(14)  # (DELTA_IN: the tile's O rows, by TMA, in the kv buffer)
-_O_FREE = gl.constexpr(15)  # (DELTA_IN: both consumers' halves of Delta summed, O read: count 2)
 # Events of a tile's timeline (``launch(trace=...)``, measurement only): the producer's tile
 # start, q/dO issued (its wait for them free passed), the first and the last block's gather
 # issued; a consumer's (+ 4 * WG) tile start, q/dO landed, block loop left, tile's end.
@@ -159,50 +151,44 @@ _DQ_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4,
 @gluon.jit
 def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
               ABL: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, False, 0, False)
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, False, 0)
 
 
 @gluon.jit
 def _producer_rope(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
                    ABL: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 64, False, 0, False)
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 64, False, 0)
 
 
 @gluon.jit
 def _producer_qd_tma(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
                      ABL: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, True, 0, False)
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, True, 0)
 
 
 @gluon.jit
 def _producer_qd_early2(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
                         ABL: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, True, 2, False)
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, True, 2)
 
 
 @gluon.jit
 def _producer_qd_early3(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
                         ABL: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, True, 3, False)
-
-
-@gluon.jit
-def _producer_qd_tma_delta(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
-                           ABL: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, True, 0, True)
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, True, 3)
 
 
 @gluon.jit
 def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr, ABL: gl.constexpr,
-             ROPE: gl.constexpr, QD_TMA: gl.constexpr, EARLY: gl.constexpr, DELTA_IN: gl.constexpr):
+             ROPE: gl.constexpr, QD_TMA: gl.constexpr, EARLY: gl.constexpr):
     # (ROPE, QD_TMA and EARLY arrive as literals from the _producer* wrappers: a constexpr passed
     # through warp_specialize's argument tuple reaches the partition as a plain value, and
     # the rope code below then fails to lower when ROPE is 0). QD_TMA: Q and DO are
     # [T, H, D] tensor descriptors with [1, 64, 128] blocks, not pointers.
-    Q, DO, KV, IDX, LEN, ORDER, TR, OUT, DELTA = io
+    Q, DO, KV, IDX, LEN, ORDER, TR = io
     H, N, K = sizes
     stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it = strides
-    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars, dl_smem = smem
+    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars = smem
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte copies
     offs_d = gl.arange(0, _QD, layout=gl.SliceLayout(0, ld))
     offs_r = gl.arange(0, _BK, layout=gl.SliceLayout(1, ld))
@@ -219,13 +205,6 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
         k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN)
         if ABL & 16:
             _stamp(TR, n_tiles, rank, tcount, _EV_P_TILE)
-        if DELTA_IN:  # the tile's O rows into the kv buffer, as soon as the last block is done with it
-            for half in gl.static_range(2):
-                mbarrier.wait(bars.index(_KV_FREE + half), (g0 & 1) ^ 1)
-            mbarrier.expect(bars.index(_O_READY), 4 * _BH * _QD * kv_smem.dtype.primitive_bitwidth // 8)
-            for c in gl.static_range(4):
-                tma_load(OUT, [pid_t.to(gl.int32), (pid_h * _BH).to(gl.int32), c * _QD], bars.index(_O_READY),
-                         kv_smem.index(c).reshape([1, _BK, _QD]))
         # q and dO of this tile, once both consumers are done with the previous tile's
         # (a fresh mbarrier counts its phase "1" as complete: the first wait passes).
         if EARLY == 0:
@@ -263,8 +242,6 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
 
         idx_row = IDX + pid_t * stride_it
         ids = load_ids(idx_row, 0, k_end, offs_r)
-        if DELTA_IN:  # the first gather replaces O once both consumers have summed their halves
-            _delta_out(dl_smem, bars, DELTA, H, pid_t, pid_h, tcount)
         for j in range(0, nb_t):
             free_phase = ((g0 + j) & 1) ^ 1
             ids64 = ids.to(gl.int64)
@@ -295,42 +272,6 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
 
 
 @gluon.jit
-def _tile_delta(kv_smem, do_smem, dl_smem, bars, DELTA, H, pid_t, pid_h, tcount, dlse, WG: gl.constexpr):
-    """(DELTA_IN) The tile's 64 Delta values, rowsum(O * dO) - dLSE, in S's row layout: each
-    consumer sums its D half (O in its kv half, dO in its quarters; [64, 64] pieces in a
-    fixed order), the halves meet in shared memory and both consumers add them in the same
-    order (deterministic, the same in both). ``dlse``: DELTA's values on entry (dLSE or
-    zeros), which the producer replaces with Delta (``_delta_out``)."""
-    dl_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64, 64]: 32 values a thread
-    mbarrier.wait(bars.index(_O_READY), tcount & 1)
-    part = gl.zeros([_BH], gl.float32, layout=gl.SliceLayout(1, dl_l))
-    for c in gl.static_range(2):
-        for hh in gl.static_range(2):
-            o = kv_smem.index(2 * WG + c).slice(64 * hh, 64, dim=1).load(dl_l)
-            d = do_smem.index(2 * WG + c).slice(64 * hh, 64, dim=1).load(dl_l)
-            part += gl.sum(o.to(gl.float32) * d.to(gl.float32), axis=1)
-    dl_smem.index(WG).store(part)
-    mbarrier.arrive(bars.index(_O_FREE))  # (also: my half is in dl_smem)
-    mbarrier.wait(bars.index(_O_FREE), tcount & 1)
-    row_l: gl.constexpr = gl.SliceLayout(1, _S_L)
-    return dl_smem.index(0).load(row_l) + dl_smem.index(1).load(row_l) - dlse
-
-
-@gluon.jit
-def _delta_out(dl_smem, bars, DELTA, H, pid_t, pid_h, tcount):
-    """(DELTA_IN, the producer) Once both consumers' halves are in: Delta to DELTA for
-    grad_sink, summed as the consumers sum it (the same bits). (Written by a consumer, the
-    store's address stayed live across its block loop, where ptxas then reloaded 38 values.)"""
-    l1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    h = pid_h * _BH + gl.arange(0, _BH, layout=l1)
-    ptrs = DELTA + pid_t * H + h
-    dlse = gl.load(ptrs, mask=h < H, other=0.0)
-    mbarrier.wait(bars.index(_O_FREE), tcount & 1)
-    delta = dl_smem.index(0).load(l1) + dl_smem.index(1).load(l1) - dlse
-    gl.store(ptrs, delta, mask=h < H)
-
-
-@gluon.jit
 def _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN: gl.constexpr):
     """A tile's slot count, its 64-slot blocks and the blocks before it (the barriers'
     phases): K, ``nb`` and ``tcount * nb`` without lengths; with them, the token's length
@@ -351,7 +292,7 @@ def _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN: gl.constexpr):
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr,
               EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr, DQ_TMA: gl.constexpr,
-              ABL: gl.constexpr, DELTA_IN: gl.constexpr):
+              ABL: gl.constexpr):
     io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired = args
     H, N, K = sizes
     LEN = io[7]
@@ -369,11 +310,11 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
         if SPLIT:
             _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
                                 pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT,
-                                EARLY, DQ_TMA, ABL, DELTA_IN)
+                                EARLY, DQ_TMA, ABL)
         else:
             _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
                           pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST,
-                          DQ_TMA, ABL, DELTA_IN)
+                          DQ_TMA, ABL)
         if ABL & 16:
             _stamp(TR, n_tiles, rank, tcount, _EV_C_END + 4 * WG)
         tcount += 1
@@ -560,7 +501,7 @@ def _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, ba
 def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb,
                         tcount, paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr,
                         EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr,
-                        DQ_TMA: gl.constexpr, ABL: gl.constexpr, DELTA_IN: gl.constexpr):
+                        DQ_TMA: gl.constexpr, ABL: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG``, the block's roles split in time:
     the owner of block g (g % 2 == WG) computes S, dP, P and dS, both consumers add dS KV
     to their halves of dQ, and then the owner forms all of the block's dKV rows (8 pieces
@@ -585,7 +526,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
-    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars, dl_smem = smem
+    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
     scale, scale_log2 = scales
     D: gl.constexpr = 4 * _QD
     dtype: gl.constexpr = q_smem.dtype
@@ -601,8 +542,6 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
-    if DELTA_IN:  # Delta here (_tile_start's load read dLSE)
-        delta = _tile_delta(kv_smem, do_smem, dl_smem, bars, DELTA, H, pid_t, pid_h, tcount, delta, WG)
     if ABL & 16:
         _stamp(TR, n_tiles, rank, tcount, _EV_C_QD + 4 * WG)
     for jj in range(0, nb_t):
@@ -750,15 +689,14 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
 @gluon.jit
 def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb, tcount,
                   paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr,
-                  ROPE: gl.constexpr, EVICT_LAST: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr,
-                  DELTA_IN: gl.constexpr):
+                  ROPE: gl.constexpr, EVICT_LAST: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1): slot blocks 0..nb_t-1
     (the first of them the barriers' ``g0``-th), ids past slot ``k_end`` masked; ``nb``
     blocks per token in the partial-row buffer."""
     IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
-    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars, dl_smem = smem
+    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
     scale, scale_log2 = scales
     D: gl.constexpr = 4 * _QD + ROPE  # a dKV / partial row: the value columns, then the rope ones
     dtype: gl.constexpr = q_smem.dtype
@@ -807,8 +745,6 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
-    if DELTA_IN:  # Delta here (_tile_start's load read dLSE)
-        delta = _tile_delta(kv_smem, do_smem, dl_smem, bars, DELTA, H, pid_t, pid_h, tcount, delta, WG)
     if ABL & 16:
         _stamp(TR, n_tiles, rank, tcount, _EV_C_QD + 4 * WG)
     for jj in range(0, nb_t):
@@ -924,7 +860,7 @@ _RUNTIME_INTS = ["H", "N", "K", "t_begin", "n_tiles", "paired", "stride_it", "st
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_main_gluon_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, OUT,
+    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR,
     H, N, K, t_begin, n_tiles, paired,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh,
     stride_lt, stride_gt, stride_gh,
@@ -939,7 +875,6 @@ def _bwd_main_gluon_kernel(
     QD_EARLY: gl.constexpr = 0,
     DQ_TMA: gl.constexpr = 0,
     ABL: gl.constexpr = 0,
-    DELTA_IN: gl.constexpr = False,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
@@ -950,8 +885,6 @@ def _bwd_main_gluon_kernel(
     gl.static_assert(not DQ_TMA or (ROPE == 0 and QD_EARLY == 0),
                      "dQ by TMA: D = 512, q's quarters not released early")
     gl.static_assert(DQ_TMA == 0 or DQ_TMA == 1, "dQ by TMA: 0 (plain stores) or 1 (through q's quarters)")
-    gl.static_assert(not DELTA_IN or (QD_TMA and QD_EARLY == 0 and ROPE == 0),
-                     "Delta in the producer: q, dO and O by TMA, D = 512, no early release")
     if QD_TMA:
         dtype: gl.constexpr = Q.dtype
     else:
@@ -972,19 +905,11 @@ def _bwd_main_gluon_kernel(
     else:  # (never read)
         qr_smem = p_smem
         kvr_smem = ds_smem
-    if DELTA_IN:
-        bars = gl.allocate_shared_memory(gl.int64, [_N_BARS + 3, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(bars.index(_O_READY), count=1)
-        mbarrier.init(bars.index(_O_FREE), count=2)
-        dl_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        dl_smem = gl.allocate_shared_memory(gl.float32, [2, _BH], dl_layout)  # the consumers' halves of Delta
-    elif QD_EARLY > 0:
+    if QD_EARLY > 0:
         bars = gl.allocate_shared_memory(gl.int64, [_N_BARS + 1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(bars.index(_QD_FREE_EARLY), count=2)
-        dl_smem = bars  # (never read)
     else:
         bars = gl.allocate_shared_memory(gl.int64, [_N_BARS, 1], mbarrier.MBarrierLayout())
-        dl_smem = bars  # (never read)
     # cp.async arrivals of the producer's threads, or the TMA tiles' expect
     mbarrier.init(bars.index(_QD_READY), count=1 if QD_TMA else 128)
     mbarrier.init(bars.index(_QD_FREE), count=2)
@@ -1007,51 +932,38 @@ def _bwd_main_gluon_kernel(
     sizes = (H, N, K)
     c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR), sizes,
               (stride_it, stride_lt, stride_gt, stride_gh),
-              (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars, dl_smem),
+              (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars),
               (scale, scale_log2), t_begin, n_tiles, nb, rank, paired)
-    p_args = ((Q, DO, KV, IDX, LEN, ORDER, TR, OUT, DELTA), sizes,
+    p_args = ((Q, DO, KV, IDX, LEN, ORDER, TR), sizes,
               (stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it),
-              (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars, dl_smem), t_begin, n_tiles, nb, rank,
-              HAS_LEN, ABL)
+              (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars), t_begin, n_tiles, nb, rank, HAS_LEN, ABL)
     # The producer is the default partition (ptxas compiles it under MAXNREG; the
-    # consumers get setmaxnreg budgets). (The consumers' constexprs are written into each
-    # call: as elements of a tuple held in a variable they would reach them as plain values.)
+    # consumers get setmaxnreg budgets).
     if ROPE > 0:
-        gl.warp_specialize([
-            (_producer_rope, p_args),
-            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL, DELTA_IN)),
-            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL, DELTA_IN)),
-        ], [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
+        gl.warp_specialize([(_producer_rope, p_args),
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL))],
+                           [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 2:
-        gl.warp_specialize([
-            (_producer_qd_early2, p_args),
-            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL, DELTA_IN)),
-            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL, DELTA_IN)),
-        ], [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
+        gl.warp_specialize([(_producer_qd_early2, p_args),
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL))],
+                           [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 3:
-        gl.warp_specialize([
-            (_producer_qd_early3, p_args),
-            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL, DELTA_IN)),
-            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL, DELTA_IN)),
-        ], [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
-    elif DELTA_IN:
-        gl.warp_specialize([
-            (_producer_qd_tma_delta, p_args),
-            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL, DELTA_IN)),
-            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL, DELTA_IN)),
-        ], [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
+        gl.warp_specialize([(_producer_qd_early3, p_args),
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL))],
+                           [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_TMA:
-        gl.warp_specialize([
-            (_producer_qd_tma, p_args),
-            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL, DELTA_IN)),
-            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL, DELTA_IN)),
-        ], [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
+        gl.warp_specialize([(_producer_qd_tma, p_args),
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL))],
+                           [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     else:
-        gl.warp_specialize([
-            (_producer, p_args),
-            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL, DELTA_IN)),
-            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL, DELTA_IN)),
-        ], [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
+        gl.warp_specialize([(_producer, p_args),
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL))],
+                           [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
 def rejects(call) -> str | None:
@@ -1103,7 +1015,7 @@ def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, lines=None, order=None, evict_last=None, split=None,
-           qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None, out=None):
+           qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -1115,9 +1027,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     4 (lse/Delta loads: 0) and 8 (dKV reductions predicated off)
     (benchmarks/experiments/tile_ablation_bench.py). ``trace`` (measurement only): an int64
     tensor of ``trace_shape(n_tok, H, device, paired)`` that takes each tile's timeline, the
-    SM's cycle counter at the events of ``TRACE_EVENTS`` (benchmarks/experiments/tile_timeline.py).
-    ``out`` (the forward's output, where ``takes_delta``): the producer forms Delta itself from
-    it and dO, with ``delta`` holding dLSE (or zeros) on entry and Delta on return."""
+    SM's cycle counter at the events of ``TRACE_EVENTS`` (benchmarks/experiments/tile_timeline.py)."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
@@ -1131,12 +1041,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     # the programs' dQ scratch for the rope columns (zeros; the kernel leaves it zero)
     dqr = torch.zeros((grid, BLOCK_H, rope), dtype=torch.float32, device=q.device) if rope else acc
     sp = _split(partial is not None, split) if rope == 0 else 0
-    delta_in = out is not None
-    if delta_in and not (rope == 0 and _tma_ok(q) and _tma_ok(grad_out) and _tma_ok(out)):
-        raise ValueError("Delta in the kernel: D = 512, q, grad_out and out addressable by TMA "
-                         "(takes_delta)")
-    tma, early = _qd_loads(q, grad_out, rope, sp, K, True if delta_in else qd_tma,
-                           0 if delta_in else qd_early)
+    tma, early = _qd_loads(q, grad_out, rope, sp, K, qd_tma, qd_early)
     dq_want = int(DQ_TMA if dq_tma is None else dq_tma)
     if dq_want not in (0, 1):
         raise ValueError(f"dq_tma: 0 (plain stores) or 1 (staged in q's quarters, stored by TMA), "
@@ -1153,7 +1058,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     _bwd_main_gluon_kernel[(grid,)](
         q_arg, kv, indices, do_arg, lse, delta, dq_arg, acc, partial if partial is not None else acc, flags,
         topk_length if topk_length is not None else indices, order if order is not None else indices, dqr,
-        trace if trace is not None else flags, _qd_descriptor(out) if delta_in else q_arg,
+        trace if trace is not None else flags,
         H, N, K, t_begin, n_tiles, int(paired),
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
@@ -1161,7 +1066,6 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         D=grad_out.shape[-1], RED=red_mode(partial is not None, lines), HAS_LEN=topk_length is not None,
         EVICT_LAST=bool(RED_EVICT_LAST if evict_last is None else evict_last) and partial is None,
         ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma, ABL=int(ablate),
-        DELTA_IN=delta_in,
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
 
@@ -1171,14 +1075,6 @@ def trace_shape(n_tok: int, H: int, device, paired: bool) -> tuple[int, int, int
     n_tiles = n_tok * triton.cdiv(H, BLOCK_H)
     grid = _programs(n_tiles, device, paired)
     return (grid, triton.cdiv(n_tiles, grid), len(TRACE_EVENTS))
-
-
-def takes_delta(q, grad_out, out, delta_in_kernel=None) -> bool:
-    """Whether ``launch`` forms Delta in the kernel (``out=``; ``DELTA_IN_KERNEL`` by
-    default): q, dO and O all by TMA, D = 512 value columns and no score-only ones."""
-    want = DELTA_IN_KERNEL if delta_in_kernel is None else delta_in_kernel
-    return (bool(want) and q.shape[-1] == grad_out.shape[-1] == 512
-            and all(_tma_ok(x) for x in (q, grad_out, out)))
 
 
 def _qd_loads(q, grad_out, rope: int, split: int, K: int, qd_tma=None, qd_early=None) -> tuple[bool, int]:
