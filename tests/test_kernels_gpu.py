@@ -526,6 +526,21 @@ def test_lengths_and_the_v32_layout_through_the_ops(layout, deterministic):
     """topk_length (values past K and negative included) and the 576/512 layout through the
     ops, against the float64 oracle: the Gluon kernels run the lengths at D = 512 on sm_90,
     the Gluon backward and forward the 576/512 layout, the Triton kernels the rest."""
+    _check_lengths_and_v32(layout, deterministic)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "fast"])
+@pytest.mark.parametrize("layout", ["v32", "v32-lengths", "v32-many-tiles"])
+def test_v32_layout_with_the_other_dq_store(monkeypatch, layout, deterministic):
+    """The 576/512 layout's value columns of dQ stored the way that is not this Triton's
+    default for the layout (``backward_gluon.DQ_TMA_ROPE``: staged in q's quarters and stored
+    by TMA, or 64 stores a thread), the rope columns from the scratch rows either way."""
+    main = _gluon_bwd_or_skip()
+    monkeypatch.setattr(main, "DQ_TMA_ROPE", not main.DQ_TMA_ROPE)
+    _check_lengths_and_v32(layout, deterministic)
+
+
+def _check_lengths_and_v32(layout, deterministic):
     T, H, N, K = (300, 128, 700, 300) if layout.endswith("many-tiles") else (9, 64, 700, 640)
     D, d_v = (576, 512) if layout.startswith("v32") else (512, None)
     torch.manual_seed(0)

@@ -104,6 +104,10 @@ QD_EARLY = 2
 # need not wait for it, measured 9-16% slower at K >= 512 and was removed:
 # docs/performance/backward.md#dq-by-tma.)
 DQ_TMA = 1 if TRITON_VERSION == (3, 6) else 0
+# The same with score-only columns (the 576/512 layout, unsplit): the 512 value columns of
+# dQ by TMA through q's quarters, the rope columns from the scratch rows as before
+# (``launch(dq_tma=...)`` sets both).
+DQ_TMA_ROPE = False
 
 
 # mbarrier slots
@@ -523,7 +527,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     q and dO (``_QD_FREE_EARLY``) once its dKV pieces are done with them; the other consumer
     (and both, in a tile without blocks) releases them at the tile's end, where both
     release the rest (``_QD_FREE``) as without."""
-    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR = io
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
     q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
@@ -693,7 +697,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1): slot blocks 0..nb_t-1
     (the first of them the barriers' ``g0``-th), ids past slot ``k_end`` masked; ``nb``
     blocks per token in the partial-row buffer."""
-    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR = io
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
     q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
@@ -848,9 +852,13 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         f32 = (offs_r32 // 16) * 16 + ((offs_r32 & 7) // 2) * 4 + ((offs_r32 // 8) & 1) * 2 + (offs_r32 & 1)
         dqr = gl.atomic_xchg(dqr_base + h_r[:, None] * 64 + f32[None, :], r_zero, sem="relaxed")
         hg = pid_h * _BH + h_r
-        dqr_ptrs = (DQ + pid_t * stride_gt + hg[:, None].to(gl.int64) * stride_gh + 4 * _QD + 32 * WG
+        if DQ_TMA:  # (DQ is then grad_q's tensor descriptor; DQP the same tensor as a pointer)
+            dq_base = DQP
+        else:
+            dq_base = DQ
+        dqr_ptrs = (dq_base + pid_t * stride_gt + hg[:, None].to(gl.int64) * stride_gh + 4 * _QD + 32 * WG
                     + offs_r32[None, :])
-        gl.store(dqr_ptrs, dqr.to(DQ.dtype.element_ty), mask=(hg < H)[:, None])
+        gl.store(dqr_ptrs, dqr.to(dq_base.dtype.element_ty), mask=(hg < H)[:, None])
 
 
 # Runtime integers (no recompile per T, N, H or K; as in the Triton main kernel), plus the
@@ -860,7 +868,7 @@ _RUNTIME_INTS = ["H", "N", "K", "t_begin", "n_tiles", "paired", "stride_it", "st
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_main_gluon_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR,
+    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP,
     H, N, K, t_begin, n_tiles, paired,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh,
     stride_lt, stride_gt, stride_gh,
@@ -882,8 +890,8 @@ def _bwd_main_gluon_kernel(
     gl.static_assert(not QD_TMA or ROPE == 0, "q and dO by TMA: D = 512 (no score-only columns)")
     gl.static_assert(QD_EARLY == 0 or (QD_TMA and SPLIT > 0 and (QD_EARLY == 2 or QD_EARLY == 3)),
                      "q and dO released early: 2 or 3 quarters, by TMA, split schedules")
-    gl.static_assert(not DQ_TMA or (ROPE == 0 and QD_EARLY == 0),
-                     "dQ by TMA: D = 512, q's quarters not released early")
+    gl.static_assert(not DQ_TMA or (QD_EARLY == 0 and (ROPE == 0 or not SPLIT)),
+                     "dQ by TMA: q's quarters not released early; with score-only columns, unsplit")
     gl.static_assert(DQ_TMA == 0 or DQ_TMA == 1, "dQ by TMA: 0 (plain stores) or 1 (through q's quarters)")
     if QD_TMA:
         dtype: gl.constexpr = Q.dtype
@@ -930,7 +938,7 @@ def _bwd_main_gluon_kernel(
     # even tile (the rank below) has started, so its wait always ends.
     rank = gl.atomic_add(FLAGS, 1, sem="relaxed")
     sizes = (H, N, K)
-    c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR), sizes,
+    c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP), sizes,
               (stride_it, stride_lt, stride_gt, stride_gh),
               (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars),
               (scale, scale_log2), t_begin, n_tiles, nb, rank, paired)
@@ -1046,7 +1054,9 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     if dq_want not in (0, 1):
         raise ValueError(f"dq_tma: 0 (plain stores) or 1 (staged in q's quarters, stored by TMA), "
                          f"got {dq_want}")
-    dq_by_tma = dq_want if rope == 0 and _tma_ok(grad_q) else 0
+    if rope and dq_tma is None:
+        dq_want = int(DQ_TMA_ROPE)
+    dq_by_tma = dq_want if _tma_ok(grad_q) else 0
     if dq_by_tma:
         early = 0
     q_arg, do_arg = (_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out)
@@ -1058,7 +1068,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     _bwd_main_gluon_kernel[(grid,)](
         q_arg, kv, indices, do_arg, lse, delta, dq_arg, acc, partial if partial is not None else acc, flags,
         topk_length if topk_length is not None else indices, order if order is not None else indices, dqr,
-        trace if trace is not None else flags,
+        trace if trace is not None else flags, grad_q,
         H, N, K, t_begin, n_tiles, int(paired),
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
