@@ -295,15 +295,18 @@ def test_wgmma_accumulator_layout_is_what_the_reductions_assume():
     assert wgmma_register_bases(rows=True) == [[8]]
 
 
+@pytest.mark.parametrize("dq_tma", [0, 1], ids=["dq_stores", "dq_tma"])
 @pytest.mark.parametrize("red", [False, True], ids=["deterministic", "fast"])
-def test_gluon_backward_v32_compiles_for_sm90(red):
+def test_gluon_backward_v32_compiles_for_sm90(red, dq_tma):
     """The Gluon main kernel at D = 576, d_v = 512 (the 64 score-only columns in their own
-    shared buffers, 229 KB in all). Under Triton 3.6 and 3.7 no wgmma serialisation and no
-    spill reload in the block loops; from 3.8 on ptxas serialises its wgmmas (3.8 both
-    modes, 3.9 the fast one) and 3.9 reloads 11-19 values a loop (bounded here: the
-    dispatcher gives it the layout on every Triton)."""
-    r = compile_backward_gluon(red=red, rope=64)
+    shared buffers, 229 KB in all), with dQ's value columns by 64 stores a thread or by TMA
+    (``backward_gluon.DQ_TMA_ROPE``, the default under 3.6). Under Triton 3.6 and 3.7 no
+    wgmma serialisation and no spill reload in the block loops; from 3.8 on ptxas
+    serialises its wgmmas (3.8 both modes, 3.9 the fast one) and 3.9 reloads 11-19 values a
+    loop (bounded here: the dispatcher gives it the layout on every Triton)."""
+    r = compile_backward_gluon(red=red, rope=64, dq_tma=dq_tma)
     assert r["shared"] <= H200_SMEM_LIMIT, r
+    assert r["tma_stores"] == 4 * dq_tma, r["tma_stores"]
     assert r["wgmma"] > 0 and r["mma_sync"] == 0, r
     if TRITON_VERSION >= (3, 8):
         assert len(r["mma_loops"]) == 2 and all(lp["LDL"] <= 24 for lp in r["mma_loops"]), r["mma_loops"]

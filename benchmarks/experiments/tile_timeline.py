@@ -9,9 +9,10 @@ landing to the next one's, into
     react   -> the producer past its wait for q/dO to be free (it issues the next tile's loads)
     load    -> the next tile's q and dO landed (as the first consumer to see them finds)
 
-medians over every tile but each program's first, in microseconds at the SM clock (1.98 GHz,
-the clock the backward runs at: docs/performance/backward.md). ``per_block`` is the loop
-over the tile's blocks. The traced and the plain call are timed in the same process; the
+medians over every tile but each program's first and last, in units of 1,980 cycles
+(microseconds at 1.98 GHz; what clock the SMs run at in the backward is not settled:
+docs/performance/backward.md#where-the-backward-stands). ``per_block`` is the loop over the
+tile's blocks. The traced and the plain call are timed in the same process; the
 stamps are compiled out of the plain one (same PTX as without the option).
 
     PYTHONPATH=src:benchmarks/experiments python benchmarks/experiments/tile_timeline.py
@@ -30,7 +31,7 @@ from dsv4_sparse_attn.kernels import backward_gluon as G
 from side_by_side import bench, inputs
 
 D = 512
-GHZ = 1.98
+GHZ = 1.98  # (the units printed: 1,980 cycles)
 SHAPES = [(4096, 128, 1152), (4096, 64, 640), (4096, 128, 512), (4096, 128, 128), (4096, 64, 160)]
 # (name, launch options): the default fast mode (q/dO by cp.async at K > 256, TMA below), and
 # q/dO by TMA at every K
