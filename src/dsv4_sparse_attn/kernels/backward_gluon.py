@@ -629,9 +629,10 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
 def _stamp(TR, n_tiles, rank, tcount, ev):
     """(``ABL & 16``, measurement only) The SM's cycle counter at event ``ev`` of this
     program's ``tcount``-th tile, into TR [programs, tiles a program, _N_EV] int64."""
-    # (the row in asm with side effects: formed here, not shared with the tile's earlier
-    # stamps and kept live across the block loop, where ptxas then reloaded 38 spilled
-    # values a loop)
+    # (the row in asm with side effects, so that each stamp forms its own address. A stamp
+    # right after the split schedule's block loop made ptxas reload 38 values a loop, with
+    # or without this: that event is stamped in _tile_dq_out, after dQ's wait for the last
+    # block's pieces, instead)
     row = gl.inline_asm_elementwise(
         "{ .reg .u32 m; add.u32 m, $2, $3; sub.u32 m, m, 1; div.u32 m, m, $3; mad.lo.u32 $0, $1, m, $4; }",
         "=r,r,r,r,r", [rank, n_tiles, gl.num_programs(0), tcount], dtype=gl.int32, is_pure=False, pack=1)
