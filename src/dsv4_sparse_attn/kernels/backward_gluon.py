@@ -1053,20 +1053,19 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     dqr = torch.zeros((grid, BLOCK_H, rope), dtype=torch.float32, device=q.device) if rope else acc
     sp = _split(partial is not None, split) if rope == 0 else 0
     tma, early = _qd_loads(q, grad_out, rope, sp, K, qd_tma, qd_early)
-    dq_want = int(DQ_TMA if dq_tma is None else dq_tma)
+    dq_want = int((DQ_TMA_ROPE if rope else DQ_TMA) if dq_tma is None else dq_tma)
     if dq_want not in (0, 1):
         raise ValueError(f"dq_tma: 0 (plain stores) or 1 (staged in q's quarters, stored by TMA), "
                          f"got {dq_want}")
-    if rope and dq_tma is None:
-        dq_want = int(DQ_TMA_ROPE)
     dq_by_tma = dq_want if _tma_ok(grad_q) else 0
     if dq_by_tma:
         early = 0
     q_arg, do_arg = (_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out)
     dq_arg = _qd_descriptor(grad_q) if dq_by_tma else grad_q
     if trace is not None:
-        if tuple(trace.shape) != trace_shape(n_tok, H, q.device, paired) or trace.dtype != torch.int64:
-            raise ValueError(f"trace: int64 {trace_shape(n_tok, H, q.device, paired)}")
+        want = trace_shape(n_tok, H, q.device, paired)
+        if tuple(trace.shape) != want or trace.dtype != torch.int64:
+            raise ValueError(f"trace: int64 {want}, got {trace.dtype} {tuple(trace.shape)}")
         ablate = int(ablate) | 16
     _bwd_main_gluon_kernel[(grid,)](
         q_arg, kv, indices, do_arg, lse, delta, dq_arg, acc, partial if partial is not None else acc, flags,
