@@ -34,12 +34,13 @@ from dsv4_sparse_attn.kernels.hopper import thread_barrier
 dev = "cuda"
 
 _BULK = ("{{\n .reg .pred p;\n .reg .u32 s;\n setp.ne.b32 p, $3, 0;\n mov.u32 s, global_smem;\n"
-         " add.u32 s, s, $2;\n @p cp.reduce.async.bulk.global.shared::cta.bulk_group.add.{ty} [$1], [s], 256;\n"
+         " add.u32 s, s, $2;\n"
+         " @p cp.reduce.async.bulk.global.shared::cta.bulk_group.add.{ty} [$1], [s], 256;\n"
          " mov.b32 $0, 0;\n}}")
-_COMMIT = gl.constexpr("{\n .reg .pred p;\n setp.ne.b32 p, $1, 0;\n @p cp.async.bulk.commit_group;\n mov.b32 $0, 0;\n}")
-_WAIT_READ = gl.constexpr("{\n .reg .pred p;\n setp.ne.b32 p, $1, 0;\n @p cp.async.bulk.wait_group.read 0;\n"
-              " mov.b32 $0, 0;\n}")
-_WAIT_ALL = gl.constexpr("{\n .reg .pred p;\n setp.ne.b32 p, $1, 0;\n @p cp.async.bulk.wait_group 0;\n mov.b32 $0, 0;\n}")
+_PRED = "{\n .reg .pred p;\n setp.ne.b32 p, $1, 0;\n @p %s;\n mov.b32 $0, 0;\n}"
+_COMMIT = gl.constexpr(_PRED % "cp.async.bulk.commit_group")
+_WAIT_READ = gl.constexpr(_PRED % "cp.async.bulk.wait_group.read 0")
+_WAIT_ALL = gl.constexpr(_PRED % "cp.async.bulk.wait_group 0")
 
 
 @gluon.jit
@@ -154,8 +155,8 @@ def main():
         best = max((o for o in out if (o["rows"], o["arm"], o["issue"], o["wait"]) == k),
                    key=lambda o: o["values_per_ns"])
         oks = all(o["ok"] for o in out if (o["rows"], o["arm"], o["issue"], o["wait"]) == k)
-        print(f"| {k[0]} | {k[1]} | {k[2] or '-'} | {k[3]} | {best['values_per_ns']:.0f} ({best['TBps']:.2f}) "
-              f"| {oks} |")
+        print(f"| {k[0]} | {k[1]} | {k[2] or '-'} | {k[3]} | "
+              f"{best['values_per_ns']:.0f} ({best['TBps']:.2f}) | {oks} |")
 
 
 if __name__ == "__main__":
