@@ -1,0 +1,57 @@
+"""The deterministic backward at one head block (H <= 64) with the blocks' roles split in
+time (``launch(split=1)``: P and dS single-buffered) against the unsplit schedule it runs
+by default, A, B, A, B in one process, with and without per-token lengths, next to the
+fast mode and cuDNN's backward.
+
+    PYTHONPATH=src:benchmarks/experiments python benchmarks/experiments/det_split_bench.py [PEER_DIR]
+
+Prediction (docs/performance/backward.md#split-roles, two earlier runs: 1.8-3.1% less at
+H64 K640, H16 and H32 K1152, 0.4% at T = 32768): 1-3% less time at K >= 640, unknown at
+K = 160 and with lengths; gradients bitwise equal to the unsplit schedule's.
+"""
+import json
+
+import torch
+
+import dsv4_sparse_attn  # noqa: F401
+from dsv4_sparse_attn.kernels import backward as kbwd
+from dsv4_sparse_attn.kernels import backward_gluon
+from side_by_side import best_of_ab, inputs
+from side_by_side import cudnn_peer as load_peer
+
+cudnn_peer = load_peer()
+# (T, H, K, lengths)
+SHAPES = [(4096, 64, 640, False), (4096, 64, 640, True), (4096, 64, 160, False), (4096, 16, 1152, False),
+          (4096, 32, 1152, False), (4096, 64, 2048, False), (4096, 16, 160, False), (4096, 32, 1152, True),
+          (32768, 64, 640, False)]
+for T, H, K, with_len in SHAPES:
+    q, kv, idx, sink, do, out, lse = inputs(T, H, K)
+    scale = 512 ** -0.5
+    g = torch.Generator(device="cuda").manual_seed(T + K)
+    length = (torch.randint(min(128, K), K + 1, (T,), device="cuda", generator=g).int() if with_len
+              else None)
+    r = dict(T=T, H=H, K=K, lengths=with_len)
+
+    def run(det, split):
+        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon,
+                                   deterministic=det, topk_length=length, split=split)
+
+    a, b = run(True, 0), run(True, 1)
+    r["det_split1_bitwise"] = all(torch.equal(x, y) for x, y in zip(a, b))
+    a = b = None
+    fns = {"det": lambda: run(True, 0), "det_split1": lambda: run(True, 1), "fast": lambda: run(False, None)}
+    if cudnn_peer is not None and not with_len:
+        try:
+            fns["cudnn"] = cudnn_peer.make_bwd(q, kv, idx, sink, scale, out, lse, do)
+            fns["cudnn"]()
+        except Exception as e:  # noqa: BLE001
+            r["cudnn_error"] = str(e)[:200]
+            fns.pop("cudnn", None)
+    fl = 10 * T * H * K * 512
+    for name, ms in best_of_ab(fns).items():
+        r[f"{name}_ms"] = ms
+        r[f"{name}_tflops"] = round(fl / ms / 1e9, 1)
+    r["split1_change"] = round(r["det_split1_ms"] / r["det_ms"] - 1, 4)
+    print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+    q = kv = idx = do = out = lse = fns = None
+    torch.cuda.empty_cache()
