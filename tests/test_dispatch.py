@@ -128,6 +128,23 @@ def test_gluon_kernels_take_the_measured_head_counts(monkeypatch, H, fwd, determ
         assert forward_gluon.rejects(bad) and backward_gluon.rejects(bad)
 
 
+@pytest.mark.parametrize("deterministic,n_hb,K,want", [
+    (False, 1, 640, "SPLIT_ROLES"), (False, 2, 1152, "SPLIT_ROLES"),
+    (True, 1, 640, "SPLIT_ROLES_DET_ONE_HB"), (True, 1, 512, "SPLIT_ROLES_DET_ONE_HB"),
+    (True, 1, 160, "SPLIT_ROLES_DET"), (True, 2, 1152, "SPLIT_ROLES_DET")])
+def test_gluon_backward_schedule_follows_the_measurements(monkeypatch, deterministic, n_hb, K, want):
+    """The Gluon backward's schedule (``_split``): the fast mode's default at every H; the
+    deterministic one split 1 at one head block from SPLIT_DET_MIN_K slots (measured 1.4-3.2%
+    less time, bitwise equal), unsplit at two or more head blocks and at short K
+    (docs/performance/backward.md#split-roles); ``launch(split=...)`` wins."""
+    for i, name in enumerate(("SPLIT_ROLES", "SPLIT_ROLES_DET", "SPLIT_ROLES_DET_ONE_HB")):
+        monkeypatch.setattr(backward_gluon, name, 10 + i)  # (distinct stand-ins)
+    got = backward_gluon._split(deterministic, None, n_hb, K)
+    assert got == getattr(backward_gluon, want)
+    assert backward_gluon._split(deterministic, 0, n_hb, K) == 0
+    assert backward_gluon.SPLIT_DET_MIN_K == 512
+
+
 @pytest.mark.parametrize("H,fwd", [(16, False), (17, True), (128, True)])
 @pytest.mark.parametrize("has_len", [False, True])
 def test_gluon_forward_takes_the_v32_layout(monkeypatch, H, fwd, has_len):

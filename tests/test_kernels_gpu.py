@@ -74,6 +74,8 @@ _GLUON_EXTRA = [
     Case(300, 128, 512, 700, 300, ids="deepseek", lengths=True),
     Case(400, 64, 512, 500, 200, lengths=True, sink=False),
     Case(200, 40, 512, 300, 130, ids="deepseek", lengths=True),
+    # one head block, K >= SPLIT_DET_MIN_K, many tiles, lengths: the deterministic split 1
+    Case(300, 64, 512, 900, 640, ids="deepseek", lengths=True),
 ]
 # The shapes the dispatcher gives each Gluon kernel: the forward from MIN_HEADS, the
 # backward's main kernel at any H (deterministic) and from MIN_ATOMIC_HEADS (atomic); the
@@ -164,6 +166,16 @@ def _main(gluon: bool):
     return _gluon_bwd_or_skip() if gluon else backward_triton
 
 
+# every default of the Gluon backward's schedule (``backward_gluon._split``)
+_SPLIT_ATTRS = ("SPLIT_ROLES", "SPLIT_ROLES_DET", "SPLIT_ROLES_DET_ONE_HB")
+
+
+def _force_split(monkeypatch, main, split: int):
+    """Every launch of ``main`` (the Gluon backward) in schedule ``split``, both modes."""
+    for name in _SPLIT_ATTRS:
+        monkeypatch.setattr(main, name, split)
+
+
 def _assert_det_bitwise(monkeypatch, main, case, before: dict, after: dict):
     """The deterministic backward of ``case`` (its lengths, with grad_lse) with the
     attributes ``before`` set on ``main``, then with ``after``: bitwise equal gradients."""
@@ -192,19 +204,19 @@ def test_gluon_backward_matches_reference(case, deterministic):
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
 @pytest.mark.parametrize("split", [0, 1, 2], ids=["off", "single", "double"])
 def test_gluon_backward_with_split_roles_matches_reference(monkeypatch, case, deterministic, split):
-    """Each schedule of the blocks' roles, whatever the default of this Triton
-    (``backward_gluon.SPLIT_ROLES``, ``SPLIT_ROLES_DET``): 0 the owner hands P and dS over,
-    1 and 2 the owner forms all its dKV rows while the other consumer computes the next
-    block's S and dP, P and dS single- or double-buffered; against the float64 oracle, on
-    the same cases as the default schedule. The deterministic mode is also bitwise equal
-    across schedules (the same products into the same partial rows)."""
+    """Each schedule of the blocks' roles, whatever the default of this Triton for the
+    case (``backward_gluon._split``: ``SPLIT_ROLES``, ``SPLIT_ROLES_DET``,
+    ``SPLIT_ROLES_DET_ONE_HB``): 0 the owner hands P and dS over, 1 and 2 the owner forms
+    all its dKV rows while the other consumer computes the next block's S and dP, P and dS
+    single- or double-buffered; against the float64 oracle, on the same cases as the
+    default schedule. The deterministic mode is also bitwise equal across schedules (the
+    same products into the same partial rows)."""
     main = _gluon_bwd_or_skip(case.H)
-    if split == (main.SPLIT_ROLES_DET if deterministic else main.SPLIT_ROLES):
+    if split == main._split(deterministic, None, -(-case.H // main.BLOCK_H), case.K):
         pytest.skip("this Triton's default schedule: test_gluon_backward_matches_reference runs it")
     if deterministic:
-        _assert_det_bitwise(monkeypatch, main, case, {}, {"SPLIT_ROLES_DET": split})
-    monkeypatch.setattr(main, "SPLIT_ROLES", split)
-    monkeypatch.setattr(main, "SPLIT_ROLES_DET", split)
+        _assert_det_bitwise(monkeypatch, main, case, {}, {name: split for name in _SPLIT_ATTRS})
+    _force_split(monkeypatch, main, split)
     check_backward(case, DEV, deterministic=deterministic, main=main)
 
 
@@ -229,8 +241,7 @@ def test_gluon_backward_with_qd_early_release_matches_reference(monkeypatch, cas
     the deterministic case), and the deterministic mode bitwise equal to split 2 with the
     cp.async loads (the same products; only when the next tile's loads start differs)."""
     main = _gluon_bwd_or_skip(case.H)
-    monkeypatch.setattr(main, "SPLIT_ROLES", 2)
-    monkeypatch.setattr(main, "SPLIT_ROLES_DET", 2)
+    _force_split(monkeypatch, main, 2)
     if deterministic:  # against cp.async
         _assert_det_bitwise(monkeypatch, main, case, {"QD_TMA": False}, {"QD_TMA": True, "QD_EARLY": early})
     monkeypatch.setattr(main, "QD_TMA", True)
@@ -269,8 +280,7 @@ def test_gluon_backward_with_each_dq_store_matches_reference(monkeypatch, case, 
     main = _gluon_bwd_or_skip(case.H)
     if dq == int(main.DQ_TMA):
         pytest.skip("this Triton's default: the other tests run it")
-    monkeypatch.setattr(main, "SPLIT_ROLES", split)
-    monkeypatch.setattr(main, "SPLIT_ROLES_DET", split)
+    _force_split(monkeypatch, main, split)
     if deterministic:
         _assert_det_bitwise(monkeypatch, main, case, {}, {"DQ_TMA": dq})
     monkeypatch.setattr(main, "DQ_TMA", dq)

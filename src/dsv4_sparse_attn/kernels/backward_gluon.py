@@ -70,11 +70,16 @@ RED_EVICT_LAST = False
 # columns only (no score-only columns). Measured on the H200 under Triton 3.6
 # (docs/performance/backward.md#split-roles): fast mode 1-5% less time with 2, on by default
 # where its block loops reload no register (sm_90 builds: Triton 3.6 and 3.8; 3.7 reloads
-# 38 values a loop in one consumer, 3.9 17-20 in both); deterministic mode 2-3% less at
-# H <= 64 but 9-14% more at H = 128, off. ``launch(split=...)`` overrides both.
+# 38 values a loop in one consumer, 3.9 17-20 in both); deterministic mode 9-14% more at
+# H = 128 (a head-block pair's programs wait on each other per block parity), off there;
+# at one head block (H <= 64) split 1 (no second P/dS buffer) 1.4-3.2% less at K >= 640,
+# with and without lengths (+1.0% / -0.6% at K = 160: off below SPLIT_DET_MIN_K), gradients
+# bitwise equal. ``launch(split=...)`` overrides all three.
 _TRITON_39 = TRITON_VERSION >= (3, 9)
 SPLIT_ROLES = 2 if TRITON_VERSION in ((3, 6), (3, 8)) else 0
-SPLIT_ROLES_DET = 0
+SPLIT_ROLES_DET = 0  # two or more head blocks
+SPLIT_ROLES_DET_ONE_HB = 1 if TRITON_VERSION in ((3, 6), (3, 8)) else 0  # one head block
+SPLIT_DET_MIN_K = 512
 # q and dO by TMA (``launch(qd_tma=...)``): the producer loads a tile's q and dO as eight
 # [1, 64, 128] TMA tiles of [T, H, D] instead of 64 cp.async a thread, so that they do not
 # queue behind the last block's reductions in the SM's load/store path (cuDNN loads Q and dO
@@ -1051,7 +1056,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     rope = D - grad_out.shape[-1]
     # the programs' dQ scratch for the rope columns (zeros; the kernel leaves it zero)
     dqr = torch.zeros((grid, BLOCK_H, rope), dtype=torch.float32, device=q.device) if rope else acc
-    sp = _split(partial is not None, split) if rope == 0 else 0
+    sp = _split(partial is not None, split, n_hb, K) if rope == 0 else 0
     tma, early = _qd_loads(q, grad_out, rope, sp, K, qd_tma, qd_early)
     dq_want = int((DQ_TMA_ROPE if rope else DQ_TMA) if dq_tma is None else dq_tma)
     if dq_want not in (0, 1):
@@ -1115,9 +1120,16 @@ def _qd_descriptor(x):
     return TensorDescriptor(x, list(x.shape), [x.stride(0), x.stride(1), 1], [1, BLOCK_H, 128], layout)
 
 
-def _split(deterministic: bool, split) -> int:
+def _split(deterministic: bool, split, n_hb: int = 1, K: int = 0) -> int:
+    """The schedule of a launch (``SPLIT``): ``split`` if given, else this Triton's default
+    for the mode, the head blocks ``n_hb`` and the slots ``K``."""
     if split is None:
-        split = SPLIT_ROLES_DET if deterministic else SPLIT_ROLES
+        if not deterministic:
+            split = SPLIT_ROLES
+        elif n_hb == 1 and K >= SPLIT_DET_MIN_K:
+            split = SPLIT_ROLES_DET_ONE_HB
+        else:
+            split = SPLIT_ROLES_DET
     return int(split)
 
 
