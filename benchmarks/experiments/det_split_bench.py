@@ -20,7 +20,7 @@ import torch
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import best_of_ab, inputs
+from side_by_side import best_of_ab, inputs, peer_bwd
 from side_by_side import cudnn_peer as load_peer
 
 cudnn_peer = load_peer()
@@ -55,13 +55,9 @@ for T, H, K, with_len in SHAPES:
     r["det_split1_bitwise"] = all(torch.equal(x, y) for x, y in zip(a, b))
     a = b = None
     fns = {"det": lambda: run(True, 0), "det_split1": lambda: run(True, 1), "fast": lambda: run(False, None)}
-    if cudnn_peer is not None and not with_len and not BENCH_IDS:
-        try:
-            fns["cudnn"] = cudnn_peer.make_bwd(q, kv, idx, sink, scale, out, lse, do)
-            fns["cudnn"]()
-        except Exception as e:  # noqa: BLE001
-            r["cudnn_error"] = str(e)[:200]
-            fns.pop("cudnn", None)
+    peer = None if with_len or BENCH_IDS else peer_bwd(cudnn_peer, r, q, kv, idx, sink, scale, out, lse, do)
+    if peer is not None:
+        fns["cudnn"] = peer
     fl = 10 * T * H * K * 512
     for name, ms in best_of_ab(fns).items():
         r[f"{name}_ms"] = ms

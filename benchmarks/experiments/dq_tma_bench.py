@@ -24,7 +24,7 @@ import torch
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import best_of_ab, inputs, relerr
+from side_by_side import best_of_ab, inputs, peer_bwd, relerr
 from side_by_side import cudnn_peer as load_peer
 
 D = 512
@@ -52,13 +52,9 @@ for T, H, K in shapes:
         r[f"fast_{name}_err_dkv"] = relerr(got[1].float(), ref[1].float())
     ref = got = None
     fns = {name: (lambda det=det, t=t, kw=kw: run(det, t, **kw)) for name, det, t, kw in arms}
-    if cudnn_peer is not None:
-        try:
-            fns["cudnn"] = cudnn_peer.make_bwd(q, kv, idx, sink, scale, out, lse, do)
-            fns["cudnn"]()
-        except Exception as e:  # noqa: BLE001
-            r["cudnn_error"] = str(e)[:200]
-            fns.pop("cudnn", None)
+    peer = peer_bwd(cudnn_peer, r, q, kv, idx, sink, scale, out, lse, do)
+    if peer is not None:
+        fns["cudnn"] = peer
     for name, ms in best_of_ab(fns).items():
         r[f"{name}_ms"] = ms
         r[f"{name}_tflops"] = round(fl / ms / 1e9, 1)

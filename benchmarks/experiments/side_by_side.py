@@ -68,3 +68,17 @@ def cudnn_peer(argv=None):
         print("no cudnn peer:", e)
         return None
     return peer
+
+
+def peer_bwd(peer, r, q, kv, idx, sink, scale, out, lse, do):
+    """cuDNN's backward on these tensors as a callable, run once; None (the reason in
+    ``r["cudnn_error"]``) when there is no peer or it does not run them."""
+    if peer is None:
+        return None
+    try:
+        fn = peer.make_bwd(q, kv, idx, sink, scale, out, lse, do)
+        fn()
+        return fn
+    except Exception as e:  # noqa: BLE001
+        r["cudnn_error"] = str(e)[:200]
+        return None
