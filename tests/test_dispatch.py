@@ -145,6 +145,21 @@ def test_gluon_backward_schedule_follows_the_measurements(monkeypatch, determini
     assert backward_gluon.SPLIT_DET_MIN_K == 512
 
 
+@pytest.mark.parametrize("H,want", [(1, 16), (16, 16), (17, 32), (32, 32), (33, 64), (64, 64), (128, 64)])
+def test_gluon_backward_dkv_products_contract_over_the_heads_a_tile_holds(monkeypatch, H, want):
+    """``_head_pad``: the dKV products of a tile of H <= 16 or 32 heads contract over 16 or 32
+    heads, not 64 (P's and dS's rows past H are zeros); off (``HEAD_PAD``) or overridden
+    by ``launch(head_pad=...)``, never below the heads a tile holds."""
+    assert backward_gluon.HEAD_PAD is True
+    assert backward_gluon._head_pad(H) == want
+    assert backward_gluon._head_pad(H, 64) == 64
+    monkeypatch.setattr(backward_gluon, "HEAD_PAD", False)
+    assert backward_gluon._head_pad(H) == 64
+    for bad in (8, 48, 128) + ((16,) if want > 16 else ()):
+        with pytest.raises(ValueError, match="head_pad"):
+            backward_gluon._head_pad(H, bad)
+
+
 @pytest.mark.parametrize("H,fwd", [(16, False), (17, True), (128, True)])
 @pytest.mark.parametrize("has_len", [False, True])
 def test_gluon_forward_takes_the_v32_layout(monkeypatch, H, fwd, has_len):

@@ -220,6 +220,26 @@ def test_gluon_backward_with_split_roles_matches_reference(monkeypatch, case, de
     check_backward(case, DEV, deterministic=deterministic, main=main)
 
 
+# H <= 16 and <= 32: one block, many blocks, lengths, masked and duplicate ids
+_SMALL_H_CASES = [c for c in GLUON_BWD_CASES if c.H <= 32] + [
+    Case(300, 32, 512, 900, 640, ids="deepseek", lengths=True),
+    Case(200, 32, 512, 300, 130, ids="dup"),
+]
+
+
+@pytest.mark.parametrize("case", _SMALL_H_CASES, ids=str)
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize("head_pad", [False, True], ids=["64", "default"])
+def test_gluon_backward_small_head_tiles_match_reference(monkeypatch, case, deterministic, head_pad):
+    """A tile of H <= 32 heads, its dKV products over 16 or 32 heads (``HEAD_PAD``, the
+    default) or over all 64 rows (the A/B arm): against the float64 oracle in each mode."""
+    main = _gluon_bwd_or_skip(case.H)
+    if head_pad and case in GLUON_BWD_CASES:
+        pytest.skip("the default: test_gluon_backward_matches_reference runs it")
+    monkeypatch.setattr(main, "HEAD_PAD", head_pad)
+    check_backward(case, DEV, deterministic=deterministic, main=main)
+
+
 # tiles of 0, 1 and many blocks, more tiles than SMs, lengths (empty tiles among them),
 # padding heads, a head-block pair in the deterministic mode
 _EARLY_CASES = [

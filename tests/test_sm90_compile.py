@@ -268,6 +268,25 @@ def test_gluon_backward_default_schedule_reloads_nothing(has_len):
     assert all(lp["LDL"] <= _reload_allowance(True, has_len) for lp in r["mma_loops"]), r["mma_loops"]
 
 
+@pytest.mark.parametrize("hp", [16, 32])
+@pytest.mark.parametrize("red", [False, True], ids=["deterministic", "fast"])
+def test_gluon_backward_small_head_tiles_compile_for_sm90(red, hp):
+    """A tile of H <= 16 or 32 heads (``backward_gluon._head_pad``): its dKV products contract
+    over ``hp`` heads in this Triton's default schedule of each mode, so a block loop holds
+    fewer wgmma instructions than at 64 (K = 16: one k-step a product; 32: two, of four),
+    with the same reductions and the same (no) reloads."""
+    from dsv4_sparse_attn.kernels import backward_gluon
+
+    split = backward_gluon._split(not red, None, 1, 1024)
+    base = compile_backward_gluon(red=red, split=split)
+    r = compile_backward_gluon(red=red, split=split, hp=hp)
+    assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
+    assert len(r["mma_loops"]) == 2, r["mma_loops"]
+    assert all(lp["LDL"] <= _reload_allowance(red) for lp in r["mma_loops"]), r["mma_loops"]
+    for lp, lb in zip(r["mma_loops"], base["mma_loops"]):
+        assert lp["HGMMA"] < lb["HGMMA"] and lp["REDG4"] == lb["REDG4"], (lp, lb)
+
+
 def _reload_allowance(red: bool, has_len: bool = False) -> int:
     """Spill reloads allowed in a block loop: none up to Triton 3.8. Triton 3.9's register
     allocation keeps more 64-bit address values alive across the loop (deterministic /

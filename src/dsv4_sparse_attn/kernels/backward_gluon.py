@@ -115,6 +115,9 @@ DQ_TMA = 1 if TRITON_VERSION == (3, 6) else 0
 # backward 0.2-4.6% less time, deterministic 0.2-2.1%, bitwise equal
 # (docs/performance/backward.md#the-576512-layout-in-the-gluon-main-kernel).
 DQ_TMA_ROPE = TRITON_VERSION == (3, 6)
+# At H <= 16 or 32 the dKV products contract over 16 or 32 heads, not the tile's 64
+# (``_head_pad``; ``launch(head_pad=...)``): the rows of P and dS past H are zeros.
+HEAD_PAD = True
 
 
 # mbarrier slots
@@ -303,7 +306,7 @@ def _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN: gl.constexpr):
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr,
               EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr, DQ_TMA: gl.constexpr,
-              ABL: gl.constexpr):
+              ABL: gl.constexpr, HP: gl.constexpr):
     io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired = args
     H, N, K = sizes
     LEN = io[7]
@@ -321,11 +324,11 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
         if SPLIT:
             _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
                                 pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT,
-                                EARLY, DQ_TMA, ABL)
+                                EARLY, DQ_TMA, ABL, HP)
         else:
             _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
                           pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST,
-                          DQ_TMA, ABL)
+                          DQ_TMA, ABL, HP)
         if ABL & 16:
             _stamp(TR, n_tiles, rank, tcount, _EV_C_END + 4 * WG)
         tcount += 1
@@ -512,7 +515,7 @@ def _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, ba
 def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb,
                         tcount, paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr,
                         EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr,
-                        DQ_TMA: gl.constexpr, ABL: gl.constexpr):
+                        DQ_TMA: gl.constexpr, ABL: gl.constexpr, HP: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG``, the block's roles split in time:
     the owner of block g (g % 2 == WG) computes S, dP, P and dS, both consumers add dS KV
     to their halves of dQ, and then the owner forms all of the block's dKV rows (8 pieces
@@ -594,9 +597,9 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
             # sent while the next one's wgmma runs.
             offs_kz = _row_pair(offs_ks + z)
             row_ptr, on = _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED, D, ABL)
-            acc = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 0, dkv_zero)
+            acc = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 0, HP, dkv_zero)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            nxt = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 1, dkv_zero)
+            nxt = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 1, HP, dkv_zero)
             if follower:  # the leader's rows of this block must be in place before I add to them
                 while gl.atomic_add(flag_base + j % 2, 0, sem="acquire", scope="gpu") <= j // 2:
                     pass
@@ -608,7 +611,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
             for i in gl.static_range(1, 8):
                 if i > 1:
                     nxt = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, i // 2 + z,
-                                     i % 2, dkv_zero)
+                                     i % 2, HP, dkv_zero)
                 _send_piece(row_ptr + (((i - 1) // 2) * _QD + ((i - 1) % 2) * 64), offs_dd, acc, on, follower,
                             paired, RED, EVICT_LAST)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
@@ -666,12 +669,22 @@ def _row_pair(offs):
 
 
 @gluon.jit
-def _dkv_piece(p_smem, ds_smem, do_smem, q_smem, quarter, hh: gl.constexpr, zero):
+def _dkv_piece(p_smem, ds_smem, do_smem, q_smem, quarter, hh: gl.constexpr, HP: gl.constexpr, zero):
     """Columns [hh*64, hh*64+64) of D quarter ``quarter`` of a block's dKV rows, issued
-    asynchronously: P^T dO + dS^T Q (M = 64 slots, N = 64, K = 64 heads)."""
-    acc = warpgroup_mma(p_smem.permute((1, 0)), do_smem.index(quarter).slice(hh * 64, 64, dim=1), zero,
+    asynchronously: P^T dO + dS^T Q (M = 64 slots, N = 64, K = the tile's first HP heads:
+    the rows of P and dS past H are zeros, so a tile of H <= 16 or 32 heads contracts over
+    16 or 32 of them, not 64)."""
+    if HP < _BH:
+        p_smem = p_smem.slice(0, HP, dim=0)
+        ds_smem = ds_smem.slice(0, HP, dim=0)
+        do_q = do_smem.index(quarter).slice(0, HP, dim=0)
+        q_q = q_smem.index(quarter).slice(0, HP, dim=0)
+    else:
+        do_q = do_smem.index(quarter)
+        q_q = q_smem.index(quarter)
+    acc = warpgroup_mma(p_smem.permute((1, 0)), do_q.slice(hh * 64, 64, dim=1), zero,
                         use_acc=False, is_async=True)
-    return warpgroup_mma(ds_smem.permute((1, 0)), q_smem.index(quarter).slice(hh * 64, 64, dim=1), acc,
+    return warpgroup_mma(ds_smem.permute((1, 0)), q_q.slice(hh * 64, 64, dim=1), acc,
                          is_async=True)
 
 
@@ -701,7 +714,8 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
 @gluon.jit
 def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb, tcount,
                   paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr,
-                  ROPE: gl.constexpr, EVICT_LAST: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr):
+                  ROPE: gl.constexpr, EVICT_LAST: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr,
+                  HP: gl.constexpr):
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1): slot blocks 0..nb_t-1
     (the first of them the barriers' ``g0``-th), ids past slot ``k_end`` masked; ``nb``
     blocks per token in the partial-row buffer."""
@@ -814,9 +828,9 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         row_ptr, on = _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED, D, ABL)
         # Four 64-column pieces (32 registers each next to dQ's 128); each piece's adds
         # are issued while the next piece's wgmma runs.
-        acc = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + z, 0, dkv_zero)
+        acc = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + z, 0, HP, dkv_zero)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + z, 1, dkv_zero)
+        nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + z, 1, HP, dkv_zero)
         if follower:  # the leader's rows of this block must be in place before I add to them
             while gl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu") <= j:
                 pass
@@ -825,10 +839,10 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
                 pass
         _send_piece(row_ptr + (2 * WG * _QD), offs_dd, acc, on, follower, paired, RED, EVICT_LAST)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
-        nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + 1 + z, 0, dkv_zero)
+        nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + 1 + z, 0, HP, dkv_zero)
         _send_piece(row_ptr + (2 * WG * _QD + 64), offs_dd, acc, on, follower, paired, RED, EVICT_LAST)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
-        nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + 1 + z, 1, dkv_zero)
+        nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + 1 + z, 1, HP, dkv_zero)
         _send_piece(row_ptr + ((2 * WG + 1) * _QD), offs_dd, acc, on, follower, paired, RED, EVICT_LAST)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         if ROPE > 0:  # my 32 rope columns of the rows: dS^T Q_rope (no value term)
@@ -891,6 +905,7 @@ def _bwd_main_gluon_kernel(
     QD_EARLY: gl.constexpr = 0,
     DQ_TMA: gl.constexpr = 0,
     ABL: gl.constexpr = 0,
+    HP: gl.constexpr = 64,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
@@ -957,28 +972,28 @@ def _bwd_main_gluon_kernel(
     # consumers get setmaxnreg budgets).
     if ROPE > 0:
         gl.warp_specialize([(_producer_rope, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL, HP)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL, HP))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 2:
         gl.warp_specialize([(_producer_qd_early2, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL, HP)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL, HP))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 3:
         gl.warp_specialize([(_producer_qd_early3, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL, HP)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL, HP))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_TMA:
         gl.warp_specialize([(_producer_qd_tma, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL, HP)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL, HP))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     else:
         gl.warp_specialize([(_producer, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL))],
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL, HP)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL, HP))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
@@ -1031,7 +1046,7 @@ def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, lines=None, order=None, evict_last=None, split=None,
-           qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None):
+           qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None, head_pad=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -1043,7 +1058,8 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     4 (lse/Delta loads: 0) and 8 (dKV reductions predicated off)
     (benchmarks/experiments/tile_ablation_bench.py). ``trace`` (measurement only): an int64
     tensor of ``trace_shape(n_tok, H, device, paired)`` that takes each tile's timeline, the
-    SM's cycle counter at the events of ``TRACE_EVENTS`` (benchmarks/experiments/tile_timeline.py)."""
+    SM's cycle counter at the events of ``TRACE_EVENTS`` (benchmarks/experiments/tile_timeline.py).
+    ``head_pad``: the heads the dKV products contract over (16, 32 or 64; ``_head_pad``)."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
@@ -1083,6 +1099,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         D=grad_out.shape[-1], RED=red_mode(partial is not None, lines), HAS_LEN=topk_length is not None,
         EVICT_LAST=bool(RED_EVICT_LAST if evict_last is None else evict_last) and partial is None,
         ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma, ABL=int(ablate),
+        HP=_head_pad(H, head_pad),
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
 
@@ -1118,6 +1135,18 @@ def _tma_ok(x) -> bool:
 def _qd_descriptor(x):
     layout = gl.NVMMASharedLayout.get_default_for([1, BLOCK_H, 128], _GL_DTYPES[x.dtype])
     return TensorDescriptor(x, list(x.shape), [x.stride(0), x.stride(1), 1], [1, BLOCK_H, 128], layout)
+
+
+def _head_pad(H: int, head_pad=None) -> int:
+    """The heads a tile's dKV products contract over (the kernel's ``HP``): the fewest of
+    16, 32 and 64 that hold H (P's and dS's rows past H are zeros), 64 with several head
+    blocks; ``head_pad`` (16, 32 or 64, at least that) overrides it for A/B runs."""
+    need = 16 if H <= 16 else 32 if H <= 32 else BLOCK_H
+    if head_pad is None:
+        return need if HEAD_PAD else BLOCK_H
+    if head_pad not in (16, 32, BLOCK_H) or head_pad < need:
+        raise ValueError(f"head_pad: 16, 32 or 64 and at least the tile's heads ({need}), got {head_pad}")
+    return int(head_pad)
 
 
 def _split(deterministic: bool, split, n_hb: int = 1, K: int = 0) -> int:
