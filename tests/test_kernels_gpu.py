@@ -229,14 +229,20 @@ _SMALL_H_CASES = [c for c in GLUON_BWD_CASES if c.H <= 32] + [
 
 @pytest.mark.parametrize("case", _SMALL_H_CASES, ids=str)
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
-@pytest.mark.parametrize("head_pad", [False, True], ids=["64", "default"])
-def test_gluon_backward_small_head_tiles_match_reference(monkeypatch, case, deterministic, head_pad):
-    """A tile of H <= 32 heads, its dKV products over 16 or 32 heads (``HEAD_PAD``, the
-    default) or over all 64 rows (the A/B arm): against the float64 oracle in each mode."""
+@pytest.mark.parametrize("head_pad,transposed", [(False, False), (True, False), (True, True)],
+                         ids=["64", "head_pad", "transposed"])
+def test_gluon_backward_small_head_tiles_match_reference(monkeypatch, case, deterministic, head_pad,
+                                                         transposed):
+    """A tile of H <= 32 heads: its dKV products over 16 or 32 heads (``HEAD_PAD``) or over all
+    64 rows, and in the fast mode's split schedules every product transposed
+    (``SMALL_H_TRANSPOSED``, heads as the wgmma's N): against the float64 oracle in each mode."""
     main = _gluon_bwd_or_skip(case.H)
-    if head_pad and case in GLUON_BWD_CASES:
+    if (head_pad, transposed) == (main.HEAD_PAD, main.SMALL_H_TRANSPOSED) and case in GLUON_BWD_CASES:
         pytest.skip("the default: test_gluon_backward_matches_reference runs it")
+    if transposed and deterministic:
+        pytest.skip("transposed tiles are the fast mode's only")
     monkeypatch.setattr(main, "HEAD_PAD", head_pad)
+    monkeypatch.setattr(main, "SMALL_H_TRANSPOSED", transposed)
     check_backward(case, DEV, deterministic=deterministic, main=main)
 
 

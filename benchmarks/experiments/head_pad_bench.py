@@ -30,9 +30,9 @@ for T, H, K in SHAPES:
     scale = 512 ** -0.5
     r = dict(T=T, H=H, K=K, head_pad=backward_gluon._head_pad(H))
 
-    def run(det, hp):
+    def run(det, hp, tr=False):
         return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon,
-                                   deterministic=det, head_pad=hp)
+                                   deterministic=det, head_pad=hp, transposed=tr)
 
     for det in (False, True):
         a, b = run(det, 64), run(det, None)
@@ -40,8 +40,12 @@ for T, H, K in SHAPES:
             float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30)) for x, y in zip(a, b)]
         if det:
             r["det_bitwise"] = all(torch.equal(x, y) for x, y in zip(a, b))
+    a, b = run(False, None), run(False, None, True)
+    r["fast_t_rel_diff"] = [
+        float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30)) for x, y in zip(a, b)]
     a = b = None
     fns = {"fast_64": lambda: run(False, 64), "fast": lambda: run(False, None),
+           "fast_t": lambda: run(False, None, True),
            "det_64": lambda: run(True, 64), "det": lambda: run(True, None)}
     peer = peer_bwd(cudnn_peer, r, q, kv, idx, sink, scale, out, lse, do)
     if peer is not None:
@@ -51,9 +55,11 @@ for T, H, K in SHAPES:
         r[f"{name}_ms"] = ms
         r[f"{name}_tflops"] = round(fl / ms / 1e9, 1)
     r["fast_change"] = round(r["fast_ms"] / r["fast_64_ms"] - 1, 4)
+    r["fast_t_change"] = round(r["fast_t_ms"] / r["fast_ms"] - 1, 4)
     r["det_change"] = round(r["det_ms"] / r["det_64_ms"] - 1, 4)
     if "cudnn_ms" in r:
         r["fast_vs_cudnn"] = round(r["cudnn_ms"] / r["fast_ms"], 3)
+        r["fast_t_vs_cudnn"] = round(r["cudnn_ms"] / r["fast_t_ms"], 3)
     print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
     q = kv = idx = do = out = lse = fns = None
     torch.cuda.empty_cache()

@@ -120,6 +120,10 @@ DQ_TMA_ROPE = TRITON_VERSION == (3, 6)
 # Measured on the H200 under Triton 3.6: 2.5-6.5% less time in both modes, deterministic
 # gradients bitwise equal (docs/performance/backward.md#dkv-products-over-the-heads-a-tile-holds-kept).
 HEAD_PAD = True
+# The fast mode's tiles of H <= 32 heads in a split schedule with their products transposed
+# (``_consume_tile_split_t``: the heads as the wgmma's N; ``launch(transposed=...)``). (Not
+# the deterministic mode: its build at H <= 16 serialises the wgmmas, sm_90, Triton 3.6.)
+SMALL_H_TRANSPOSED = True
 
 
 # mbarrier slots
@@ -308,7 +312,7 @@ def _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN: gl.constexpr):
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr,
               EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr, DQ_TMA: gl.constexpr,
-              ABL: gl.constexpr, HP: gl.constexpr):
+              ABL: gl.constexpr, HP: gl.constexpr, TRANS: gl.constexpr):
     io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired = args
     H, N, K = sizes
     LEN = io[7]
@@ -323,7 +327,11 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
         k_end, nb_t, g0 = _tile_blocks(LEN, t_begin + pid_c, K, nb, tcount, bcount, HAS_LEN)
         if ABL & 16:
             _stamp(TR, n_tiles, rank, tcount, _EV_C_TILE + 4 * WG)
-        if SPLIT:
+        if TRANS:
+            _consume_tile_split_t(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c,
+                                  t_begin + pid_c, tcount, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT, DQ_TMA,
+                                  HP)
+        elif SPLIT:
             _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
                                 pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT,
                                 EARLY, DQ_TMA, ABL, HP)
@@ -338,11 +346,11 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
 
 
 @gluon.jit
-def _head_rows(LSE, DELTA, H, pid_t, pid_h, stride_lt, row_l: gl.constexpr):
-    """The tile's 64 heads: ``row_ok``, lse in the log2 domain and Delta. Rows with lse =
+def _head_rows(LSE, DELTA, H, pid_t, pid_h, stride_lt, row_l: gl.constexpr, NH: gl.constexpr = _BH):
+    """The tile's first NH (64) heads: ``row_ok``, lse in the log2 domain and Delta. Rows with lse =
     -inf (no valid slot, no sink) and padding heads have P = 0; a NaN lse (a NaN sink)
     gives NaN P, as in the reference (docs/design.md#non-finite-values)."""
-    h_row = pid_h * _BH + gl.arange(0, _BH, layout=row_l)
+    h_row = pid_h * _BH + gl.arange(0, NH, layout=row_l)
     h_ok = h_row < H
     lse = gl.load(LSE + pid_t * stride_lt + h_row, mask=h_ok, other=float("-inf"))
     row_ok = h_ok & (lse != float("-inf"))
@@ -636,6 +644,171 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
 
 
 @gluon.jit
+def _consume_tile_split_t(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, tcount,
+                          n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr, EVICT_LAST: gl.constexpr,
+                          SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, HP: gl.constexpr):
+    """``_consume_tile_split`` for a tile of H <= HP (16 or 32) heads, its products transposed
+    so that the heads are the wgmma's N (16 or 32), not a 64-row M of which H rows count:
+    S^T = KV Q^T and dP^T = KV dO^T ([64 slots, HP]), P^T and dS^T kept as [64 slots, HP]
+    in shared memory, dQ^T += KV^T dS^T ([64 columns, HP] pieces: four a consumer, its half
+    of D) and the dKV rows P^T dO + dS^T Q (K = HP). The same barriers, roles and dKV
+    pieces as ``_consume_tile_split``; one head block, so no head-block pairs."""
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP = io
+    H, N, K = sizes
+    stride_it, stride_lt, stride_gt, stride_gh = strides
+    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
+    scale, scale_log2 = scales
+    D: gl.constexpr = 4 * _QD
+    dtype: gl.constexpr = q_smem.dtype
+    t_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, HP, 16])
+    slot_l: gl.constexpr = gl.SliceLayout(1, t_l)
+    head_l: gl.constexpr = gl.SliceLayout(0, t_l)
+    row_ok, lse2, delta = _head_rows(LSE, DELTA, H, pid_t, 0, stride_lt, head_l, HP)
+    offs_s = gl.arange(0, _BK, layout=slot_l)
+    idx_row = IDX + pid_t * stride_it
+    t_zero = gl.zeros([_BK, HP], gl.float32, layout=t_l)
+    dkv_zero = gl.zeros([_BK, 64], gl.float32, layout=_S_L)
+    offs_dd = gl.arange(0, 64, layout=gl.SliceLayout(0, _S_L))
+    offs_ks = gl.arange(0, _BK, layout=gl.SliceLayout(1, _S_L))
+    slot0 = (pid_c.to(gl.int32) * nb) * _BK + offs_ks  # (one head block: no pairs)
+    dq0 = t_zero  # dQ^T, columns [256 WG + 64 i, +64) of D, i = 0..3
+    dq1 = t_zero
+    dq2 = t_zero
+    dq3 = t_zero
+
+    mbarrier.wait(bars.index(_QD_READY), tcount & 1)
+    for jj in range(0, nb_t):
+        j = _opaque(jj)
+        g = g0 + j
+        ph = g & 1
+        z = j >> 31
+        mine = g % 2 == WG
+        if SPLIT == 2:
+            pb = (g & 1) + z
+            pph = (g >> 1) & 1
+            ready = bars.index(_PDS2_READY + (g & 1))
+            free = bars.index(_PDS2_FREE + (g & 1))
+        else:
+            pb = z
+            pph = ph
+            ready = bars.index(_PDS_READY)
+            free = bars.index(_PDS_FREE)
+        if mine:  # my block: S^T, dP^T, P^T and dS^T
+            mbarrier.wait(bars.index(_KV_READY + 0), ph)
+            fence_async_shared()
+            s = warpgroup_mma(kv_smem.index(z), _heads_t(q_smem, z, HP), t_zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(kv_smem.index(z), _heads_t(do_smem, z, HP), t_zero, use_acc=False,
+                               is_async=True)
+            s = warpgroup_mma(kv_smem.index(z + 1), _heads_t(q_smem, z + 1, HP), s, is_async=True)
+            dp = warpgroup_mma(kv_smem.index(z + 1), _heads_t(do_smem, z + 1, HP), dp, is_async=True)
+            mbarrier.wait(bars.index(_KV_READY + 1), ph)
+            fence_async_shared()
+            for c in gl.static_range(2, 4):
+                s = warpgroup_mma(kv_smem.index(z + c), _heads_t(q_smem, z + c, HP), s, is_async=True)
+                dp = warpgroup_mma(kv_smem.index(z + c), _heads_t(do_smem, z + c, HP), dp, is_async=True)
+            s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+            ids = load_ids(idx_row, j * _BK, k_end, offs_s)
+            valid = (ids >= 0) & (ids < N)
+            p = gl.exp2(s * scale_log2 - lse2[None, :])
+            p = gl.where(valid[:, None] & row_ok[None, :], p, 0.0)
+            ds = p * (dp - delta[None, :]) * scale
+            mbarrier.wait(free, pph ^ 1)
+            p_smem.index(pb).store(p.to(dtype))
+            ds_smem.index(pb).store(ds.to(dtype))
+            fence_async_shared()
+            mbarrier.arrive(ready)
+
+        mbarrier.wait(ready, pph)
+        # dQ^T[my half] += KV^T[my half] dS^T (M = 64 columns a piece, N = HP heads, K = 64 slots).
+        dst = ds_smem.index(pb)
+        dq0 = warpgroup_mma(kv_smem.index(2 * WG + z).slice(0, 64, dim=1).permute((1, 0)), dst, dq0,
+                            is_async=True)
+        dq1 = warpgroup_mma(kv_smem.index(2 * WG + z).slice(64, 64, dim=1).permute((1, 0)), dst, dq1,
+                            is_async=True)
+        dq2 = warpgroup_mma(kv_smem.index(2 * WG + 1 + z).slice(0, 64, dim=1).permute((1, 0)), dst, dq2,
+                            is_async=True)
+        dq3 = warpgroup_mma(kv_smem.index(2 * WG + 1 + z).slice(64, 64, dim=1).permute((1, 0)), dst, dq3,
+                            is_async=True)
+        dq0, dq1, dq2, dq3 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, dq1, dq2, dq3))
+        mbarrier.arrive(bars.index(_KV_FREE + WG))  # my kv half: the next block's gather may start
+        if mine:
+            offs_kz = _row_pair(offs_ks + z)
+            row_ptr, on = _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED, D)
+            acc = _dkv_piece_t(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 0, HP, dkv_zero)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            nxt = _dkv_piece_t(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 1, HP, dkv_zero)
+            for i in gl.static_range(1, 8):
+                if i > 1:
+                    nxt = _dkv_piece_t(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, i // 2 + z,
+                                       i % 2, HP, dkv_zero)
+                _send_piece(row_ptr + (((i - 1) // 2) * _QD + ((i - 1) % 2) * 64), offs_dd, acc, on, False,
+                            0, RED, EVICT_LAST)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
+            mbarrier.arrive(free)  # P^T and dS^T read for the last time
+            _send_piece(row_ptr + (3 * _QD + 64), offs_dd, acc, on, False, 0, RED, EVICT_LAST)
+        else:
+            mbarrier.arrive(free)  # (my dQ read dS^T for the last time)
+
+    # dQ out: my four [64 columns, HP] pieces, transposed into my two q quarters' first HP
+    # rows once the last block's owner has read them, then by TMA (heads past H are not
+    # written), or stored from registers.
+    if nb_t > 0:
+        last = g0 + nb_t - 1
+        if SPLIT == 2:
+            mbarrier.wait(bars.index(_PDS2_FREE + (last & 1)), (last >> 1) & 1)
+        else:
+            mbarrier.wait(bars.index(_PDS_FREE), last & 1)
+    if DQ_TMA == 1:
+        _stage_dq_t(q_smem, 2 * WG, 0, dq0, HP)
+        _stage_dq_t(q_smem, 2 * WG, 64, dq1, HP)
+        _stage_dq_t(q_smem, 2 * WG + 1, 0, dq2, HP)
+        _stage_dq_t(q_smem, 2 * WG + 1, 64, dq3, HP)
+        fence_async_shared()
+        thread_barrier()
+        t32 = pid_t.to(gl.int32)
+        for c in gl.static_range(2):
+            tma_store(DQ, [t32, 0, (2 * WG + c) * _QD], q_smem.index(2 * WG + c).reshape([1, _BH, _QD]))
+        tma_store_wait(0)
+        thread_barrier()
+        mbarrier.arrive(bars.index(_QD_FREE))
+    else:
+        mbarrier.arrive(bars.index(_QD_FREE))
+        h_c = gl.arange(0, HP, layout=head_l)
+        d_c = gl.arange(0, 64, layout=slot_l)
+        dq_ptrs = (DQ + pid_t * stride_gt + h_c[None, :].to(gl.int64) * stride_gh
+                   + (WG * 2 * _QD + d_c)[:, None])
+        h_ok = (h_c < H)[None, :]
+        gl.store(dq_ptrs, dq0.to(DQ.dtype.element_ty), mask=h_ok)
+        gl.store(dq_ptrs + 64, dq1.to(DQ.dtype.element_ty), mask=h_ok)
+        gl.store(dq_ptrs + _QD, dq2.to(DQ.dtype.element_ty), mask=h_ok)
+        gl.store(dq_ptrs + (_QD + 64), dq3.to(DQ.dtype.element_ty), mask=h_ok)
+
+
+@gluon.jit
+def _heads_t(smem, quarter, HP: gl.constexpr):
+    """The first HP head rows of D quarter ``quarter`` of q or dO, transposed: [128, HP]."""
+    return smem.index(quarter).slice(0, HP, dim=0).permute((1, 0))
+
+
+@gluon.jit
+def _stage_dq_t(q_smem, quarter, col0: gl.constexpr, dqt, HP: gl.constexpr):
+    """dQ^T's [64 columns, HP heads] piece into rows [0, HP), columns [col0, col0 + 64) of q's
+    D quarter ``quarter`` (the tile's [64 heads, 128] q buffer, read for the last time)."""
+    rows = q_smem.index(quarter).slice(0, HP, dim=0)
+    rows.slice(col0, 64, dim=1).permute((1, 0)).store(dqt.to(q_smem.dtype))
+
+
+@gluon.jit
+def _dkv_piece_t(pt_smem, dst_smem, do_smem, q_smem, quarter, hh: gl.constexpr, HP: gl.constexpr, zero):
+    """``_dkv_piece`` from P^T and dS^T kept as [64 slots, HP heads]: the A operands as stored."""
+    acc = warpgroup_mma(pt_smem, do_smem.index(quarter).slice(0, HP, dim=0).slice(hh * 64, 64, dim=1), zero,
+                        use_acc=False, is_async=True)
+    return warpgroup_mma(dst_smem, q_smem.index(quarter).slice(0, HP, dim=0).slice(hh * 64, 64, dim=1), acc,
+                         is_async=True)
+
+
+@gluon.jit
 def _stamp(TR, n_tiles, rank, tcount, ev):
     """(``ABL & 16``, measurement only) The SM's cycle counter at event ``ev`` of this
     program's ``tcount``-th tile, into TR [programs, tiles a program, _N_EV] int64."""
@@ -908,6 +1081,7 @@ def _bwd_main_gluon_kernel(
     DQ_TMA: gl.constexpr = 0,
     ABL: gl.constexpr = 0,
     HP: gl.constexpr = 64,
+    TRANS: gl.constexpr = False,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
@@ -918,6 +1092,8 @@ def _bwd_main_gluon_kernel(
     gl.static_assert(not DQ_TMA or (QD_EARLY == 0 and (ROPE == 0 or not SPLIT)),
                      "dQ by TMA: q's quarters not released early; with score-only columns, unsplit")
     gl.static_assert(DQ_TMA == 0 or DQ_TMA == 1, "dQ by TMA: 0 (plain stores) or 1 (through q's quarters)")
+    gl.static_assert(not TRANS or (HP < _BH and SPLIT > 0 and ROPE == 0 and QD_EARLY == 0 and ABL == 0),
+                     "transposed small-head tiles: H <= 32, split schedules, D = 512, no early release")
     if QD_TMA:
         dtype: gl.constexpr = Q.dtype
     else:
@@ -930,8 +1106,13 @@ def _bwd_main_gluon_kernel(
     # P and dS carry a unit leading dim so the consumers address them as .index(z) (see
     # _consume_tile): hoisted out of the block loop, their descriptors were spilled, and
     # each block's first reload waited behind the previous block's dKV stores.
-    p_smem = gl.allocate_shared_memory(dtype, [1 + (SPLIT == 2), _BH, _BK], p_sl)
-    ds_smem = gl.allocate_shared_memory(dtype, [1 + (SPLIT == 2), _BH, _BK], p_sl)
+    if TRANS:  # P^T and dS^T: [64 slots, HP heads]
+        pt_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BK, HP], dtype)
+        p_smem = gl.allocate_shared_memory(dtype, [1 + (SPLIT == 2), _BK, HP], pt_sl)
+        ds_smem = gl.allocate_shared_memory(dtype, [1 + (SPLIT == 2), _BK, HP], pt_sl)
+    else:
+        p_smem = gl.allocate_shared_memory(dtype, [1 + (SPLIT == 2), _BH, _BK], p_sl)
+        ds_smem = gl.allocate_shared_memory(dtype, [1 + (SPLIT == 2), _BH, _BK], p_sl)
     if ROPE > 0:  # q's and the kv block's 64 score-only columns (16 KB: 229 KB in all)
         qr_smem = gl.allocate_shared_memory(dtype, [1, _BH, ROPE], p_sl)
         kvr_smem = gl.allocate_shared_memory(dtype, [1, _BK, ROPE], p_sl)
@@ -975,37 +1156,37 @@ def _bwd_main_gluon_kernel(
     if ROPE > 0:
         gl.warp_specialize([(_producer_rope, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP)),
+                                         HP, TRANS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP))],
+                                         HP, TRANS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 2:
         gl.warp_specialize([(_producer_qd_early2, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL,
-                                         HP)),
+                                         HP, TRANS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL,
-                                         HP))],
+                                         HP, TRANS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 3:
         gl.warp_specialize([(_producer_qd_early3, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL,
-                                         HP)),
+                                         HP, TRANS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL,
-                                         HP))],
+                                         HP, TRANS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_TMA:
         gl.warp_specialize([(_producer_qd_tma, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP)),
+                                         HP, TRANS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP))],
+                                         HP, TRANS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     else:
         gl.warp_specialize([(_producer, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP)),
+                                         HP, TRANS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP))],
+                                         HP, TRANS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
@@ -1059,7 +1240,7 @@ def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, lines=None, order=None, evict_last=None, split=None,
-           qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None, head_pad=None):
+           qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None, head_pad=None, transposed=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -1094,6 +1275,11 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     dq_by_tma = dq_want if _tma_ok(grad_q) else 0
     if dq_by_tma:
         early = 0
+    hp = _head_pad(H, head_pad)
+    trans = (bool(SMALL_H_TRANSPOSED if transposed is None else transposed) and hp < BLOCK_H and sp > 0
+             and not rope and partial is None)
+    if trans:
+        early = 0
     q_arg, do_arg = (_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out)
     dq_arg = _qd_descriptor(grad_q) if dq_by_tma else grad_q
     if trace is not None:
@@ -1112,7 +1298,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         D=grad_out.shape[-1], RED=red_mode(partial is not None, lines), HAS_LEN=topk_length is not None,
         EVICT_LAST=bool(RED_EVICT_LAST if evict_last is None else evict_last) and partial is None,
         ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma, ABL=int(ablate),
-        HP=_head_pad(H, head_pad),
+        HP=hp, TRANS=trans,
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
 
