@@ -287,6 +287,29 @@ def test_gluon_backward_small_head_tiles_compile_for_sm90(red, hp):
         assert lp["HGMMA"] < lb["HGMMA"] and lp["REDG4"] == lb["REDG4"], (lp, lb)
 
 
+@pytest.mark.parametrize("dq_tma", [0, 1], ids=["dq_stores", "dq_tma"])
+@pytest.mark.parametrize("hp", [16, 32])
+def test_gluon_backward_transposed_small_head_tiles_compile_for_sm90(hp, dq_tma):
+    """The fast mode's transposed small-head tiles (``_consume_tile_split_t``, split 2): no
+    serialisation, the same 64 reductions a block loop as the untransposed tile, smaller
+    shared buffers for P^T and dS^T, and at most one reload a loop (Triton 3.6: one in one
+    consumer's loop at 16 heads with dQ by TMA, timed with it; 3.8: two, not timed and off
+    there: a ratchet)."""
+    from dsv4_sparse_attn.kernels import backward_gluon
+
+    split = backward_gluon._split(False, None, 1, 1024)
+    if not split:
+        pytest.skip("this Triton's fast mode runs the unsplit schedule: no transposed tiles")
+    r = compile_backward_gluon(red=True, split=split, hp=hp, trans=True, dq_tma=dq_tma)
+    base = compile_backward_gluon(red=True, split=split, hp=hp, dq_tma=dq_tma)
+    assert r["wgmma_serialized"] is False and r["shared"] < base["shared"], (r, base["shared"])
+    assert len(r["mma_loops"]) == 2, r["mma_loops"]
+    allowance = (1 if TRITON_VERSION == (3, 6) else 2) + _reload_allowance(True)
+    assert all(lp["LDL"] <= allowance for lp in r["mma_loops"]), r["mma_loops"]
+    assert all(lp["REDG4"] == 64 for lp in r["mma_loops"]), r["mma_loops"]
+    assert r["tma_stores"] == 4 * dq_tma, r["tma_stores"]
+
+
 def _reload_allowance(red: bool, has_len: bool = False) -> int:
     """Spill reloads allowed in a block loop: none up to Triton 3.8. Triton 3.9's register
     allocation keeps more 64-bit address values alive across the loop (deterministic /

@@ -9,7 +9,10 @@ work falls from 5 to 3.5 products of 64 x 64 x 512 (the two dKV products contrac
 heads instead of 64), at H = 32 to 4; where a block is bound by its tensor work beside
 its reductions (6.1 us a block at H16 K1152 against ~4.6 us of reductions at the L2's
 rate), 5-12% less time at H = 16 and 3-8% at H = 32 in the fast mode; less in the
-deterministic one (bound by its partial rows' HBM traffic).
+deterministic one (bound by its partial rows' HBM traffic). The ``fast_t`` arm: the fast
+mode's small-head tiles transposed (``launch(transposed=True)``, the heads as the wgmma's N;
+docs/performance/backward.md#small-head-tiles-transposed-kept), predicted 5-8% less than
+HEAD_PAD alone at H = 16 and 3-4% at H = 32.
 """
 import json
 import sys

@@ -24,6 +24,8 @@ accumulator with 16-byte vector reductions, in the fake column order of
 (``hopper.red_f32x4_lines``; masked slots add nothing), or (deterministic)
 into per-(token, slot) partial rows that ``backward.py`` sums in a fixed order; with an
 even number of head blocks one partial row serves a pair of them (``_consume_tile``).
+A tile of H <= 32 heads in the fast mode runs every product transposed, the heads as the
+wgmma's N (``_consume_tile_split_t``).
 Organisation and measurements: docs/design.md#backward-gluon-hopper-dkv-accumulation,
 docs/performance/backward.md#gluon-main-kernel.
 
@@ -121,9 +123,11 @@ DQ_TMA_ROPE = TRITON_VERSION == (3, 6)
 # gradients bitwise equal (docs/performance/backward.md#dkv-products-over-the-heads-a-tile-holds-kept).
 HEAD_PAD = True
 # The fast mode's tiles of H <= 32 heads in a split schedule with their products transposed
-# (``_consume_tile_split_t``: the heads as the wgmma's N; ``launch(transposed=...)``). (Not
+# (``_consume_tile_split_t``: the heads as the wgmma's N; ``launch(transposed=...)``).
+# Measured on the H200 under Triton 3.6: 3.0-6.0% less time than with HEAD_PAD alone
+# (docs/performance/backward.md#small-head-tiles-transposed-kept); on where measured. (Not
 # the deterministic mode: its build at H <= 16 serialises the wgmmas, sm_90, Triton 3.6.)
-SMALL_H_TRANSPOSED = True
+SMALL_H_TRANSPOSED = TRITON_VERSION == (3, 6)
 
 
 # mbarrier slots
@@ -1196,7 +1200,7 @@ def rejects(call) -> str | None:
     Its whole rule: ``hopper.hopper_rejects`` (a Triton with Gluon's Hopper API, an sm_90
     GPU, bf16/fp16 and D = 512), at any H, in both modes: below 64 heads a tile's other
     rows are masked (the dKV products contract over 16 or 32 heads where H allows:
-    ``_head_pad``), and the backward is bound by its dKV traffic, which does not depend
+    ``_head_pad``; the fast mode transposes such tiles: ``_transposed``), and the backward is bound by its dKV traffic, which does not depend
     on H (at H = 16, K = 1152
     it takes 20% less time than the Triton kernel in the fast mode and 11% less in the
     deterministic one: docs/performance/backward.md#small-head-counts).
@@ -1276,8 +1280,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     if dq_by_tma:
         early = 0
     hp = _head_pad(H, head_pad)
-    trans = (bool(SMALL_H_TRANSPOSED if transposed is None else transposed) and hp < BLOCK_H and sp > 0
-             and not rope and partial is None)
+    trans = _transposed(hp, sp, rope, partial is not None, transposed)
     if trans:
         early = 0
     q_arg, do_arg = (_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out)
@@ -1346,6 +1349,14 @@ def _head_pad(H: int, head_pad=None) -> int:
     if head_pad not in (16, 32, BLOCK_H) or head_pad < need:
         raise ValueError(f"head_pad: 16, 32 or 64 and at least the tile's heads ({need}), got {head_pad}")
     return int(head_pad)
+
+
+def _transposed(hp: int, split: int, rope: int, deterministic: bool, transposed=None) -> bool:
+    """Whether a launch runs the transposed small-head tiles (``_consume_tile_split_t``): the
+    fast mode's split schedules at D = 512 where the tile's heads fit 16 or 32 (``hp``), if
+    ``transposed`` (default ``SMALL_H_TRANSPOSED``) asks for them."""
+    want = SMALL_H_TRANSPOSED if transposed is None else transposed
+    return bool(want) and hp < BLOCK_H and split > 0 and rope == 0 and not deterministic
 
 
 def _split(deterministic: bool, split, n_hb: int = 1, K: int = 0) -> int:
