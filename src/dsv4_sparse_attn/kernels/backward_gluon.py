@@ -1200,8 +1200,8 @@ def rejects(call) -> str | None:
     Its whole rule: ``hopper.hopper_rejects`` (a Triton with Gluon's Hopper API, an sm_90
     GPU, bf16/fp16 and D = 512), at any H, in both modes: below 64 heads a tile's other
     rows are masked (the dKV products contract over 16 or 32 heads where H allows:
-    ``_head_pad``; the fast mode transposes such tiles: ``_transposed``), and the backward is bound by its dKV traffic, which does not depend
-    on H (at H = 16, K = 1152
+    ``_head_pad``; the fast mode transposes such tiles: ``_transposed``), and the backward
+    is bound by its dKV traffic, which does not depend on H (at H = 16, K = 1152
     it takes 20% less time than the Triton kernel in the fast mode and 11% less in the
     deterministic one: docs/performance/backward.md#small-head-counts).
 
