@@ -20,7 +20,7 @@ import torch
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import best_of_ab, inputs, peer_bwd
+from side_by_side import inputs, peer_bwd, time_arms
 from side_by_side import cudnn_peer as load_peer
 
 cudnn_peer = load_peer()
@@ -56,12 +56,7 @@ for T, H, K, with_len in SHAPES:
     a = b = None
     fns = {"det": lambda: run(True, 0), "det_split1": lambda: run(True, 1), "fast": lambda: run(False, None)}
     peer = None if with_len or BENCH_IDS else peer_bwd(cudnn_peer, r, q, kv, idx, sink, scale, out, lse, do)
-    if peer is not None:
-        fns["cudnn"] = peer
-    fl = 10 * T * H * K * 512
-    for name, ms in best_of_ab(fns).items():
-        r[f"{name}_ms"] = ms
-        r[f"{name}_tflops"] = round(fl / ms / 1e9, 1)
+    time_arms(r, fns, 10 * T * H * K * 512, peer)
     r["split1_change"] = round(r["det_split1_ms"] / r["det_ms"] - 1, 4)
     print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
     q = kv = idx = do = out = lse = fns = None

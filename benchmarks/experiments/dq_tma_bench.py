@@ -24,7 +24,7 @@ import torch
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import best_of_ab, inputs, peer_bwd, relerr
+from side_by_side import inputs, peer_bwd, time_arms, relerr
 from side_by_side import cudnn_peer as load_peer
 
 D = 512
@@ -52,12 +52,7 @@ for T, H, K in shapes:
         r[f"fast_{name}_err_dkv"] = relerr(got[1].float(), ref[1].float())
     ref = got = None
     fns = {name: (lambda det=det, t=t, kw=kw: run(det, t, **kw)) for name, det, t, kw in arms}
-    peer = peer_bwd(cudnn_peer, r, q, kv, idx, sink, scale, out, lse, do)
-    if peer is not None:
-        fns["cudnn"] = peer
-    for name, ms in best_of_ab(fns).items():
-        r[f"{name}_ms"] = ms
-        r[f"{name}_tflops"] = round(fl / ms / 1e9, 1)
+    time_arms(r, fns, fl, peer_bwd(cudnn_peer, r, q, kv, idx, sink, scale, out, lse, do))
     print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
     q = kv = idx = do = out = lse = fns = None
     torch.cuda.empty_cache()

@@ -22,7 +22,7 @@ import torch
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import best_of_ab, inputs, peer_bwd
+from side_by_side import inputs, peer_bwd, time_arms
 from side_by_side import cudnn_peer as load_peer
 
 cudnn_peer = load_peer(sys.argv)
@@ -50,13 +50,7 @@ for T, H, K in SHAPES:
     fns = {"fast_64": lambda: run(False, 64), "fast": lambda: run(False, None),
            "fast_t": lambda: run(False, None, True),
            "det_64": lambda: run(True, 64), "det": lambda: run(True, None)}
-    peer = peer_bwd(cudnn_peer, r, q, kv, idx, sink, scale, out, lse, do)
-    if peer is not None:
-        fns["cudnn"] = peer
-    fl = 10 * T * H * K * 512
-    for name, ms in best_of_ab(fns).items():
-        r[f"{name}_ms"] = ms
-        r[f"{name}_tflops"] = round(fl / ms / 1e9, 1)
+    time_arms(r, fns, 10 * T * H * K * 512, peer_bwd(cudnn_peer, r, q, kv, idx, sink, scale, out, lse, do))
     r["fast_change"] = round(r["fast_ms"] / r["fast_64_ms"] - 1, 4)
     r["fast_t_change"] = round(r["fast_t_ms"] / r["fast_ms"] - 1, 4)
     r["det_change"] = round(r["det_ms"] / r["det_64_ms"] - 1, 4)

@@ -55,6 +55,17 @@ def best_of_ab(fns, reps=2):
     return {name: min(t) for name, t in times.items()}
 
 
+def time_arms(r, fns, flops, peer=None):
+    """Time ``fns`` (name -> callable) and ``peer`` (cuDNN's backward, when not None, as
+    "cudnn") with ``best_of_ab`` and record each arm's ``{name}_ms`` and ``{name}_tflops``
+    (``flops`` over its time) in ``r``."""
+    if peer is not None:
+        fns = {**fns, "cudnn": peer}
+    for name, ms in best_of_ab(fns).items():
+        r[f"{name}_ms"] = ms
+        r[f"{name}_tflops"] = round(flops / ms / 1e9, 1)
+
+
 def cudnn_peer(argv=None):
     """The peer kit's ``cudnn_peer`` module from the folder in ``argv[1]`` (default
     ``sys.argv``), or None (no folder given, or it does not load: said why)."""

@@ -578,16 +578,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
         ph = g & 1
         z = j >> 31  # 0, unknown to the compiler (see _consume_tile)
         mine = g % 2 == WG
-        if SPLIT == 2:  # block g's P and dS in buffer g % 2, its barriers' phase per buffer
-            pb = (g & 1) + z
-            pph = (g >> 1) & 1
-            ready = bars.index(_PDS2_READY + (g & 1))
-            free = bars.index(_PDS2_FREE + (g & 1))
-        else:
-            pb = z
-            pph = ph
-            ready = bars.index(_PDS_READY)
-            free = bars.index(_PDS_FREE)
+        pb, pph, ready, free = _pds_slot(bars, g, z, SPLIT)
         if mine:  # my block: S, dP, P and dS
             ids = load_ids(idx_row, j * _BK, k_end, offs_c)
             p, ds = _scores(q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars, z, ph, ids, N, s_zero, scale,
@@ -648,6 +639,24 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
 
 
 @gluon.jit
+def _pds_slot(bars, g, z, SPLIT: gl.constexpr):
+    """Where block g's P and dS go in the split schedules: (buffer, its barriers' phase, the
+    ready and free barriers). SPLIT 2: buffer g % 2, its phase per buffer; 1: one buffer.
+    (``z``: 0, unknown to the compiler: see _consume_tile.)"""
+    if SPLIT == 2:
+        pb = (g & 1) + z
+        pph = (g >> 1) & 1
+        ready = bars.index(_PDS2_READY + (g & 1))
+        free = bars.index(_PDS2_FREE + (g & 1))
+    else:
+        pb = z
+        pph = g & 1
+        ready = bars.index(_PDS_READY)
+        free = bars.index(_PDS_FREE)
+    return pb, pph, ready, free
+
+
+@gluon.jit
 def _consume_tile_split_t(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, tcount,
                           n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr, EVICT_LAST: gl.constexpr,
                           SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, HP: gl.constexpr):
@@ -688,16 +697,7 @@ def _consume_tile_split_t(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end,
         ph = g & 1
         z = j >> 31
         mine = g % 2 == WG
-        if SPLIT == 2:
-            pb = (g & 1) + z
-            pph = (g >> 1) & 1
-            ready = bars.index(_PDS2_READY + (g & 1))
-            free = bars.index(_PDS2_FREE + (g & 1))
-        else:
-            pb = z
-            pph = ph
-            ready = bars.index(_PDS_READY)
-            free = bars.index(_PDS_FREE)
+        pb, pph, ready, free = _pds_slot(bars, g, z, SPLIT)
         if mine:  # my block: S^T, dP^T, P^T and dS^T
             mbarrier.wait(bars.index(_KV_READY + 0), ph)
             fence_async_shared()
