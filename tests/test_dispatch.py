@@ -162,7 +162,7 @@ def test_gluon_backward_dkv_products_contract_over_the_heads_a_tile_holds(monkey
 
 def test_gluon_backward_transposes_small_head_tiles_in_the_fast_split_schedules(monkeypatch):
     """``_transposed``: the fast mode's split schedules at D = 512 transpose a tile of 16 or 32
-    heads (measured under Triton 3.6: 3.0-6.0% less time than ``HEAD_PAD`` alone, so on there);
+    heads (measured under Triton 3.6: 3.1-6.0% less time than ``HEAD_PAD`` alone, so on there);
     not at 64 heads, not unsplit, not the 576/512 layout, not the deterministic mode;
     ``launch(transposed=...)`` overrides."""
     from dsv4_sparse_attn.kernels.hopper import TRITON_VERSION

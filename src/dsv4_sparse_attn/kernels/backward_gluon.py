@@ -124,7 +124,7 @@ DQ_TMA_ROPE = TRITON_VERSION == (3, 6)
 HEAD_PAD = True
 # The fast mode's tiles of H <= 32 heads in a split schedule with their products transposed
 # (``_consume_tile_split_t``: the heads as the wgmma's N; ``launch(transposed=...)``).
-# Measured on the H200 under Triton 3.6: 3.0-6.0% less time than with HEAD_PAD alone
+# Measured on the H200 under Triton 3.6: 3.1-6.0% less time than with HEAD_PAD alone
 # (docs/performance/backward.md#small-head-tiles-transposed-kept); on where measured. (Not
 # the deterministic mode: its build at H <= 16 serialises the wgmmas, sm_90, Triton 3.6.)
 SMALL_H_TRANSPOSED = TRITON_VERSION == (3, 6)
