@@ -485,6 +485,14 @@ def _store_dq_tma(DQ, dq0, dq1, buf, pid_t, pid_h, WG: gl.constexpr):
     returns once the TMA has read them."""
     buf.index(2 * WG).store(dq0.to(buf.dtype))
     buf.index(2 * WG + 1).store(dq1.to(buf.dtype))
+    _send_dq_tma(DQ, buf, pid_t, pid_h, WG)
+
+
+@gluon.jit
+def _send_dq_tma(DQ, buf, pid_t, pid_h, WG: gl.constexpr):
+    """Quarters 2 WG and 2 WG + 1 of ``buf``, just written by this warp group, into DQ by two
+    TMA stores of [1, 64, 128] boxes (heads past H are not written); returns once the TMA
+    has read them."""
     fence_async_shared()
     thread_barrier()
     t32 = pid_t.to(gl.int32)  # (TMA coordinates are 32-bit)
@@ -496,6 +504,16 @@ def _store_dq_tma(DQ, dq0, dq1, buf, pid_t, pid_h, WG: gl.constexpr):
 
 
 @gluon.jit
+def _wait_last_block_read(bars, g0, nb_t, SPLIT: gl.constexpr):
+    """In a split schedule, until the owner of the tile's last block has read q and dO for the
+    last time: its arrival on that block's P/dS free barrier comes after its last wgmma (the
+    owner itself passes at once). No wait in a tile without blocks."""
+    if nb_t > 0:
+        pb, pph, ready, free = _pds_slot(bars, g0 + nb_t - 1, 0, SPLIT)
+        mbarrier.wait(free, pph)
+
+
+@gluon.jit
 def _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, bars, g0, nb_t,
                  WG: gl.constexpr, SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr,
                  TR, n_tiles, rank, tcount):
@@ -504,16 +522,10 @@ def _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, ba
     and q and dO released to the producer (``_QD_FREE``)."""
     if DQ_TMA == 1:
         # My q quarters: in the split schedules the last block's owner reads every quarter in
-        # its dKV pieces, so wait until it has (its arrival on the block's P/dS barrier comes
-        # after its last wgmma; the owner itself passes at once); unsplit, only my own pieces
-        # read them, and the S of every block came before.
+        # its dKV pieces, so wait until it has; unsplit, only my own pieces read them, and the
+        # S of every block came before.
         if SPLIT > 0:
-            last = g0 + nb_t - 1
-            if nb_t > 0:
-                if SPLIT == 2:
-                    mbarrier.wait(bars.index(_PDS2_FREE + (last & 1)), (last >> 1) & 1)
-                else:
-                    mbarrier.wait(bars.index(_PDS_FREE), last & 1)
+            _wait_last_block_read(bars, g0, nb_t, SPLIT)
         if ABL & 16:  # (the timeline: the last block's dKV pieces done, dQ not yet out)
             _stamp(TR, n_tiles, rank, tcount, _EV_C_LOOP + 4 * WG)
         if (ABL & 1) == 0:  # (ablation 1: no dQ stores)
@@ -739,13 +751,13 @@ def _consume_tile_split_t(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end,
         if mine:
             offs_kz = _row_pair(offs_ks + z)
             row_ptr, on = _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED, D)
-            acc = _dkv_piece_t(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 0, HP, dkv_zero)
+            acc = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 0, HP, dkv_zero, True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            nxt = _dkv_piece_t(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 1, HP, dkv_zero)
+            nxt = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, z, 1, HP, dkv_zero, True)
             for i in gl.static_range(1, 8):
                 if i > 1:
-                    nxt = _dkv_piece_t(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, i // 2 + z,
-                                       i % 2, HP, dkv_zero)
+                    nxt = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, i // 2 + z,
+                                     i % 2, HP, dkv_zero, True)
                 _send_piece(row_ptr + (((i - 1) // 2) * _QD + ((i - 1) % 2) * 64), offs_dd, acc, on, False,
                             0, RED, EVICT_LAST)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
@@ -757,24 +769,13 @@ def _consume_tile_split_t(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end,
     # dQ out: my four [64 columns, HP] pieces, transposed into my two q quarters' first HP
     # rows once the last block's owner has read them, then by TMA (heads past H are not
     # written), or stored from registers.
-    if nb_t > 0:
-        last = g0 + nb_t - 1
-        if SPLIT == 2:
-            mbarrier.wait(bars.index(_PDS2_FREE + (last & 1)), (last >> 1) & 1)
-        else:
-            mbarrier.wait(bars.index(_PDS_FREE), last & 1)
+    _wait_last_block_read(bars, g0, nb_t, SPLIT)
     if DQ_TMA == 1:
         _stage_dq_t(q_smem, 2 * WG, 0, dq0, HP)
         _stage_dq_t(q_smem, 2 * WG, 64, dq1, HP)
         _stage_dq_t(q_smem, 2 * WG + 1, 0, dq2, HP)
         _stage_dq_t(q_smem, 2 * WG + 1, 64, dq3, HP)
-        fence_async_shared()
-        thread_barrier()
-        t32 = pid_t.to(gl.int32)
-        for c in gl.static_range(2):
-            tma_store(DQ, [t32, 0, (2 * WG + c) * _QD], q_smem.index(2 * WG + c).reshape([1, _BH, _QD]))
-        tma_store_wait(0)
-        thread_barrier()
+        _send_dq_tma(DQ, q_smem, pid_t, gl.to_tensor(0), WG)  # (one head block)
         mbarrier.arrive(bars.index(_QD_FREE))
     else:
         mbarrier.arrive(bars.index(_QD_FREE))
@@ -801,15 +802,6 @@ def _stage_dq_t(q_smem, quarter, col0: gl.constexpr, dqt, HP: gl.constexpr):
     D quarter ``quarter`` (the tile's [64 heads, 128] q buffer, read for the last time)."""
     rows = q_smem.index(quarter).slice(0, HP, dim=0)
     rows.slice(col0, 64, dim=1).permute((1, 0)).store(dqt.to(q_smem.dtype))
-
-
-@gluon.jit
-def _dkv_piece_t(pt_smem, dst_smem, do_smem, q_smem, quarter, hh: gl.constexpr, HP: gl.constexpr, zero):
-    """``_dkv_piece`` from P^T and dS^T kept as [64 slots, HP heads]: the A operands as stored."""
-    acc = warpgroup_mma(pt_smem, do_smem.index(quarter).slice(0, HP, dim=0).slice(hh * 64, 64, dim=1), zero,
-                        use_acc=False, is_async=True)
-    return warpgroup_mma(dst_smem, q_smem.index(quarter).slice(0, HP, dim=0).slice(hh * 64, 64, dim=1), acc,
-                         is_async=True)
 
 
 @gluon.jit
@@ -848,23 +840,30 @@ def _row_pair(offs):
 
 
 @gluon.jit
-def _dkv_piece(p_smem, ds_smem, do_smem, q_smem, quarter, hh: gl.constexpr, HP: gl.constexpr, zero):
+def _dkv_piece(p_smem, ds_smem, do_smem, q_smem, quarter, hh: gl.constexpr, HP: gl.constexpr, zero,
+               TRANS: gl.constexpr = False):
     """Columns [hh*64, hh*64+64) of D quarter ``quarter`` of a block's dKV rows, issued
     asynchronously: P^T dO + dS^T Q (M = 64 slots, N = 64, K = the tile's first HP heads:
     the rows of P and dS past H are zeros, so a tile of H <= 16 or 32 heads contracts over
-    16 or 32 of them, not 64)."""
+    16 or 32 of them, not 64). P and dS are [64 heads, 64 slots], read transposed, or
+    (``TRANS``, ``_consume_tile_split_t``) already P^T and dS^T, [64 slots, HP heads]."""
+    if TRANS:
+        a_p = p_smem
+        a_ds = ds_smem
+    elif HP < _BH:
+        a_p = p_smem.slice(0, HP, dim=0).permute((1, 0))
+        a_ds = ds_smem.slice(0, HP, dim=0).permute((1, 0))
+    else:
+        a_p = p_smem.permute((1, 0))
+        a_ds = ds_smem.permute((1, 0))
     if HP < _BH:
-        p_smem = p_smem.slice(0, HP, dim=0)
-        ds_smem = ds_smem.slice(0, HP, dim=0)
         do_q = do_smem.index(quarter).slice(0, HP, dim=0)
         q_q = q_smem.index(quarter).slice(0, HP, dim=0)
     else:
         do_q = do_smem.index(quarter)
         q_q = q_smem.index(quarter)
-    acc = warpgroup_mma(p_smem.permute((1, 0)), do_q.slice(hh * 64, 64, dim=1), zero,
-                        use_acc=False, is_async=True)
-    return warpgroup_mma(ds_smem.permute((1, 0)), q_q.slice(hh * 64, 64, dim=1), acc,
-                         is_async=True)
+    acc = warpgroup_mma(a_p, do_q.slice(hh * 64, 64, dim=1), zero, use_acc=False, is_async=True)
+    return warpgroup_mma(a_ds, q_q.slice(hh * 64, 64, dim=1), acc, is_async=True)
 
 
 @gluon.jit
