@@ -30,12 +30,22 @@ SWEEP = [(4096, 128, 128), (4096, 128, 256), (4096, 128, 512), (4096, 128, 768),
          (4096, 64, 160), (4096, 64, 384), (4096, 64, 640), (4096, 64, 1152)]
 
 
-def backwards(cudnn_peer, T, H, K):
-    q, kv, idx, sink, do, out, lse = inputs(T, H, K, D)
+def causal_inputs(T, H, K):
+    """The backward sweep's causal ids (bench.py: a window of 128 rows, then distinct pool rows
+    p < t/4 of a pool of max(T/4, K) rows, -1 where it is short), seed 0, with out and lse
+    from the forward."""
+    from bench import make_inputs  # (benchmarks/ on the path)
+    q, kv, idx, sink = make_inputs(T, H, K, D, pool="causal", n_pool=max(T // 4, K))
+    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
+    return q, kv, idx, sink, torch.randn_like(out), out, lse
+
+
+def backwards(cudnn_peer, T, H, K, ids="distinct", **options):
+    q, kv, idx, sink, do, out, lse = inputs(T, H, K, D) if ids == "distinct" else causal_inputs(T, H, K)
     scale = D ** -0.5
     return {
         "ours": lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon,
-                                            deterministic=False),
+                                            deterministic=False, **options),
         "cudnn": cudnn_peer.make_bwd(q, kv, idx, sink, scale, out, lse, do),
     }
 
@@ -67,6 +77,9 @@ def main():
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--only", choices=("ours", "cudnn"), default=None)
     ap.add_argument("--kernels", action="store_true", help="per-kernel times over the K sweep")
+    ap.add_argument("--ids", choices=("distinct", "causal"), default="distinct",
+                    help="cuDNN's side-by-side ids, or the sweep's causal ones (its T = 131072 rows)")
+    ap.add_argument("--evict-last", action="store_true", help="ours with launch(evict_last=True)")
     a = ap.parse_args()
     sys.path.insert(0, a.peer)
     import cudnn_peer
@@ -79,7 +92,8 @@ def main():
             print(json.dumps(r), flush=True)
             torch.cuda.empty_cache()
         return
-    for name, fn in backwards(cudnn_peer, a.T, a.H, a.K).items():
+    options = dict(evict_last=True) if a.evict_last else {}
+    for name, fn in backwards(cudnn_peer, a.T, a.H, a.K, a.ids, **options).items():
         if a.only in (None, name):
             for _ in range(a.calls):
                 fn()

@@ -7,7 +7,7 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PEER=${PEER:-.peers/cudnn_dsa}
-export PYTHONPATH=$PWD/src:$PWD/tests:$PWD/benchmarks/experiments:/tmp/cudnn_site:${PYTHONPATH:-}
+export PYTHONPATH=$PWD/src:$PWD/tests:$PWD/benchmarks:$PWD/benchmarks/experiments:/tmp/cudnn_site:${PYTHONPATH:-}
 # stall reasons (cycles a warp waits per issued instruction), the L2's reductions and the
 # load/store path; the clocks left alone (METHOD.md). Metrics whose names this ncu may not
 # know (the wgmma pipe, L2 reduction requests) go in a second pass, so that an unknown
@@ -17,8 +17,10 @@ METRICS=$METRICS,gpu__time_duration.sum,smsp__inst_executed.sum,sm__warps_active
 METRICS=$METRICS,lts__t_sectors_op_red.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct
 METRICS=$METRICS,l1tex__t_requests_pipe_lsu_mem_global_op_red.sum,dram__bytes_read.sum,dram__bytes_write.sum
 EXTRA=sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,lts__t_requests_op_red.sum
-# first every kernel's time over a K sweep, both backwards (no ncu)
-timeout 200 python3 benchmarks/experiments/ncu_peer.py "$PEER" --kernels > "$OUT/peer_kernels.jsonl" 2> "$OUT/peer_kernels.err"
+IDS=${IDS:-distinct}  # or causal: the sweep's causal ids (its T = 131072 rows)
+EXTRA=$EXTRA,lts__t_sector_op_red_hit_rate.pct,lts__t_sector_op_read_hit_rate.pct
+# first every kernel's time over a K sweep, both backwards (no ncu; KERNELS=0 leaves it out)
+[ "${KERNELS:-1}" = 0 ] || timeout 200 python3 benchmarks/experiments/ncu_peer.py "$PEER" --kernels > "$OUT/peer_kernels.jsonl" 2> "$OUT/peer_kernels.err"
 echo "kernels rc=$?"; tail -2 "$OUT/peer_kernels.err"
 [ $# -ge 3 ] || set -- 4096 64 640 4096 128 1152
 while [ $# -ge 3 ]; do
@@ -28,10 +30,10 @@ while [ $# -ge 3 ]; do
     for pass in main extra; do
       m=$METRICS; [ $pass = extra ] && m=$EXTRA
       # (one file for every run: only a few files come back from the device machine)
-      echo "### $name $pass T=$T H=$H K=$K" | tee -a "$OUT/ncu_peer.err" >> "$OUT/ncu_peer.csv"
+      echo "### $name $pass T=$T H=$H K=$K ids=$IDS" | tee -a "$OUT/ncu_peer.err" >> "$OUT/ncu_peer.csv"
       timeout 240 ncu --clock-control none --kernel-name "regex:$pat" --launch-skip 2 --launch-count 1 \
         --metrics "$m" --csv python3 benchmarks/experiments/ncu_peer.py "$PEER" --T $T --H $H --K $K \
-        --only $name >> "$OUT/ncu_peer.csv" 2>> "$OUT/ncu_peer.err"
+        --ids "$IDS" --only $name >> "$OUT/ncu_peer.csv" 2>> "$OUT/ncu_peer.err"
       echo "$name $pass T=$T H=$H K=$K rc=$?"; tail -2 "$OUT/ncu_peer.err"
     done
   done
