@@ -145,6 +145,23 @@ def test_gluon_backward_schedule_follows_the_measurements(monkeypatch, determini
     assert backward_gluon.SPLIT_DET_MIN_K == 512
 
 
+def test_gluon_backward_evict_last_where_the_accumulator_outgrows_the_l2(monkeypatch):
+    """The fast mode's reductions carry the L2 evict-last policy where the fp32 [N, D]
+    accumulator is at least EVICT_LAST_MIN_L2 times the L2 (an H200's 60 MB here), unless
+    ``launch(evict_last=...)`` says otherwise; none off the GPU."""
+    props = SimpleNamespace(L2_cache_size=60 * 2**20)
+    monkeypatch.setattr(backward_gluon, "cuda_properties", lambda device: props)
+    gpu = torch.device("cuda", 0)
+    rows = backward_gluon.EVICT_LAST_MIN_L2 * props.L2_cache_size // (512 * 4)
+    assert not backward_gluon._evict_last(rows - 1, 512, gpu, None)
+    assert backward_gluon._evict_last(rows, 512, gpu, None)
+    assert backward_gluon._evict_last(163840, 512, gpu, None)  # T = 131072
+    assert not backward_gluon._evict_last(40960, 512, gpu, None)  # T = 32768
+    assert not backward_gluon._evict_last(163840, 512, gpu, False)
+    assert backward_gluon._evict_last(10, 512, gpu, True)
+    assert not backward_gluon._evict_last(163840, 512, torch.device("cpu"), None)
+
+
 @pytest.mark.parametrize("H,want", [(1, 16), (16, 16), (17, 32), (32, 32), (33, 64), (64, 64), (128, 64)])
 def test_gluon_backward_dkv_products_contract_over_the_heads_a_tile_holds(monkeypatch, H, want):
     """``_head_pad``: the dKV products of a tile of H <= 16 or 32 heads contract over 16 or 32

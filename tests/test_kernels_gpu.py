@@ -290,6 +290,17 @@ def test_gluon_backward_with_qd_tma_matches_reference(monkeypatch, case, determi
     check_backward(case, DEV, deterministic=deterministic, main=main)
 
 
+@pytest.mark.parametrize("case", _EARLY_CASES, ids=str)
+def test_gluon_backward_with_evict_last_reductions_matches_reference(monkeypatch, case):
+    """The fast mode's reductions with the L2 evict-last policy (the default where the fp32
+    accumulator is ``EVICT_LAST_MIN_L2`` times the L2; here at every size): against the
+    float64 oracle (tiles of 0, 1 and many blocks, lengths, a head-block pair's heads)."""
+    main = _gluon_bwd_or_skip(case.H)
+    monkeypatch.setattr(main, "EVICT_LAST_MIN_L2", 0)
+    assert main._evict_last(1, 512, torch.device(DEV), None)
+    check_backward(case, DEV, deterministic=False, main=main)
+
+
 @pytest.mark.parametrize("dq", [0, 1], ids=["dq_stores", "dq_tma_q"])
 @pytest.mark.parametrize("split", [0, 1, 2], ids=["unsplit", "single", "double"])
 @pytest.mark.parametrize("case", _EARLY_CASES + [Case(300, 64, 512, 900, 640, ids="deepseek", lengths=True),

@@ -255,17 +255,21 @@ def test_gluon_backward_dq_tma_compiles_for_sm90(red, split, has_len):
         assert lp["LDL"] <= lb["LDL"] + margin, (lp, lb)
 
 
+@pytest.mark.parametrize("evict_last", [False, True], ids=["", "evict_last"])
 @pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])
-def test_gluon_backward_default_schedule_reloads_nothing(has_len):
+def test_gluon_backward_default_schedule_reloads_nothing(has_len, evict_last):
     """The fast mode's default schedule on this Triton (``backward_gluon.SPLIT_ROLES``: split
     roles where their loops are clean, Triton 3.6 and 3.8) has no spill reload in its block
-    loops up to 3.8, and no more than the unsplit schedule's under 3.9."""
+    loops up to 3.8, and no more than the unsplit schedule's under 3.9; with the L2
+    evict-last policy on its reductions too (the default at long contexts,
+    ``backward_gluon.EVICT_LAST_MIN_L2``), with the policy in the PTX."""
     from dsv4_sparse_attn.kernels import backward_gluon
 
     r = compile_backward_gluon(red=True, has_len=has_len, split=backward_gluon._split(False, None),
-                               dq_tma=backward_gluon.DQ_TMA)
+                               dq_tma=backward_gluon.DQ_TMA, evict_last=evict_last)
     assert r["wgmma_serialized"] is False and len(r["mma_loops"]) == 2, r
     assert all(lp["LDL"] <= _reload_allowance(True, has_len) for lp in r["mma_loops"]), r["mma_loops"]
+    assert (r["evict_last_reductions"] > 0) == evict_last, r
 
 
 @pytest.mark.parametrize("hp", [16, 32])

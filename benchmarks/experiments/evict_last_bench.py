@@ -10,6 +10,7 @@ T = 131072; D = 512, bf16, a sink, no grad_lse). grad_kv of the two arms is comp
 (fp32 atomics: equal up to the order of the adds).
 """
 import json
+import os
 
 import torch
 import triton
@@ -21,7 +22,10 @@ from dsv4_sparse_attn.kernels import backward_gluon
 
 dev, D = "cuda", 512
 ROWS = [(4096, 64, 640, "distinct"), (32768, 64, 640, "distinct"), (32768, 128, 1152, "distinct"),
-        (131072, 64, 640, "causal")]
+        (131072, 64, 640, "causal"), (131072, 128, 1152, "causal")]
+# EVICT_ROWS="1,3": rows of ROWS (default the first four); EVICT_REPS: A, B passes (default 2)
+ROWS = [ROWS[int(i)] for i in os.environ.get("EVICT_ROWS", "0,1,2,3").split(",")]
+REPS = int(os.environ.get("EVICT_REPS", "2"))
 
 
 def relerr(a, b):
@@ -46,7 +50,7 @@ for T, H, K, ids in ROWS:
 
     r = dict(T=T, H=H, K=K, ids=ids, err_dkv=relerr(run(True)[1].float(), run(False)[1].float()))
     fl = 10 * T * H * K * D
-    for rep in range(2):
+    for rep in range(REPS):
         for name, ev in (("plain", False), ("evict_last", True)):
             ms = triton.testing.do_bench(lambda: run(ev), warmup=3, rep=40 if T <= 32768 else 200,
                                          return_mode="median")

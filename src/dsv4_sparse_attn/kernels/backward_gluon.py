@@ -62,10 +62,13 @@ ACC_FAKE_ORDER = True  # dKV rows (accumulator and partial rows) are in fake col
 # Whole lines: 6-11% faster at T = 4096 on the H200 under Triton 3.6
 # (docs/performance/backward.md#whole-lines-per-reduction).
 RED_LINES = True
-# The fast mode's whole-line reductions with an L2 evict-last policy (off: an A/B option,
-# ``launch(evict_last=...)``, for accumulators larger than the L2; measured at T = 4096-131072:
-# no gain beyond the spread of the runs, docs/performance/backward.md).
-RED_EVICT_LAST = False
+# The fast mode's whole-line reductions with an L2 evict-last policy where the fp32 [N, D]
+# accumulator is at least EVICT_LAST_MIN_L2 times the L2 (``launch(evict_last=...)``
+# overrides it). H200, four A, B passes: T = 131072 with causal ids (335 MB, 5.6x the L2)
+# 2.6% less time at H64 K640 and at H128 K1152, every evict-last pass faster than every
+# plain one; T = 32768 (84 MB) level; T = 4096 (10 MB) level to 1.5% slower
+# (docs/performance/backward.md#l2-evict-last-on-the-reductions).
+EVICT_LAST_MIN_L2 = 4
 # The blocks' roles split in time (``_consume_tile_split``), both modes: the owner of a
 # block also forms all of its dKV rows, while the other consumer computes the next block's
 # S and dP; 2: with P and dS double-buffered (16 KB more shared memory). D = 512 value
@@ -1298,7 +1301,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
         D=grad_out.shape[-1], RED=red_mode(partial is not None, lines), HAS_LEN=topk_length is not None,
-        EVICT_LAST=bool(RED_EVICT_LAST if evict_last is None else evict_last) and partial is None,
+        EVICT_LAST=_evict_last(N, D, q.device, evict_last) and partial is None,
         ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma, ABL=int(ablate),
         HP=hp, TRANS=trans,
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
@@ -1369,6 +1372,15 @@ def _split(deterministic: bool, split, n_hb: int = 1, K: int = 0) -> int:
         else:
             split = SPLIT_ROLES_DET
     return int(split)
+
+
+def _evict_last(N: int, D: int, device, evict_last) -> bool:
+    """Whether the fast mode's reductions carry the L2 evict-last policy: ``evict_last``, or
+    by default where the fp32 accumulator is EVICT_LAST_MIN_L2 times the L2 or more."""
+    if evict_last is not None:
+        return bool(evict_last)
+    l2 = getattr(cuda_properties(device), "L2_cache_size", 0) if device.type == "cuda" else 0
+    return l2 > 0 and N * D * 4 >= EVICT_LAST_MIN_L2 * l2
 
 
 def _programs(n_tiles: int, device, paired: bool) -> int:
