@@ -76,15 +76,14 @@ def main():
                             else:
                                 _tma_probe[(P,)](desc, idx, out, n_steps, ROWS=ROWS, BLOCK_D=BLOCK_D,
                                                  STAGES=stages, num_warps=warps)
+                        r = dict(programs=P, rows_a_step=ROWS, kind=kind, stages=stages, warps=warps)
                         try:
                             f()
                             ms = do_bench(f, warmup=3, rep=30)
-                            r = dict(programs=P, rows_a_step=ROWS, kind=kind, stages=stages, warps=warps,
-                                     ms=round(ms, 4), TBps=round(nbytes / ms / 1e9, 3),
+                            r.update(ms=round(ms, 4), TBps=round(nbytes / ms / 1e9, 3),
                                      GBps_a_program=round(nbytes / ms / 1e6 / P, 1))
                         except Exception as e:  # noqa: BLE001
-                            r = dict(programs=P, rows_a_step=ROWS, kind=kind, stages=stages, warps=warps,
-                                     error=str(e)[:200])
+                            r["error"] = str(e)[:200]
                         print(json.dumps(r), flush=True)
 
 

@@ -3,7 +3,7 @@ the main kernel reads 64 gathered kv rows (64 KB of bf16) and adds 64 rows x 512
 the accumulator (128 KB of 16-byte reductions). This probe sends the same two streams,
 alone and together, from the same kernel:
 
-    PYTHONPATH=src python benchmarks/experiments/l2_mix_probe_bench.py
+    PYTHONPATH=src:benchmarks/experiments python benchmarks/experiments/l2_mix_probe_bench.py
 
 Question (docs/performance/backward.md#what-bounds-the-fast-mode): ncu had both kernels' L2
 at 76-79% of its peak throughput. If reads and reductions share that limit, the pair takes
@@ -17,8 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
+from red_probe_bench import _ASM  # (this directory): the fast mode's 16-byte reduction as PTX
+
 dev = "cuda"
-_RED = ("red.relaxed.gpu.global.add.v4.f32 [$1], {$2, $3, $4, $5}; mov.b32 $0, 0;", "=r,l,r,r,r,r")
+_RED = _ASM["f32x4 red"]
 
 
 @triton.jit

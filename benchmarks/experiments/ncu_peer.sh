@@ -17,8 +17,8 @@ METRICS=$METRICS,gpu__time_duration.sum,smsp__inst_executed.sum,sm__warps_active
 METRICS=$METRICS,lts__t_sectors_op_red.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct
 METRICS=$METRICS,l1tex__t_requests_pipe_lsu_mem_global_op_red.sum,dram__bytes_read.sum,dram__bytes_write.sum
 EXTRA=sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,lts__t_requests_op_red.sum
-IDS=${IDS:-distinct}  # or causal: the sweep's causal ids (its T = 131072 rows)
 EXTRA=$EXTRA,lts__t_sector_op_red_hit_rate.pct,lts__t_sector_op_read_hit_rate.pct
+IDS=${IDS:-distinct}  # or causal: the sweep's causal ids (its T = 131072 rows)
 # first every kernel's time over a K sweep, both backwards (no ncu; KERNELS=0 leaves it out)
 [ "${KERNELS:-1}" = 0 ] || timeout 200 python3 benchmarks/experiments/ncu_peer.py "$PEER" --kernels > "$OUT/peer_kernels.jsonl" 2> "$OUT/peer_kernels.err"
 echo "kernels rc=$?"; tail -2 "$OUT/peer_kernels.err"
