@@ -129,6 +129,36 @@ def test_fold_tiles_give_the_same_bits_interpreted(monkeypatch, tile, H):
     assert torch.all(many[1][40:] == 0) and many[1][:40].abs().sum() > 0
 
 
+@pytest.mark.parametrize("width", [256, 128])
+def test_fold_width_gives_the_same_bits_interpreted(monkeypatch, width):
+    """The fold's columns a program (``FOLD_BLOCK_D``: whole 512-column rows by default)
+    only split the columns, which are summed independently: bitwise the same gradients
+    with half or quarter rows a program (duplicated and masked ids, two head-block parts)."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
+    from dsv4_sparse_attn.kernels import backward_triton
+    from dsv4_sparse_attn.kernels import forward_triton as kfwd
+
+    assert kbwd.FOLD_BLOCK_D == 512
+    torch.manual_seed(0)
+    T, H, N, K, D = 4, 70, 30, 9, 512
+    q, kv = torch.randn(T, H, D).to(FP), torch.randn(N, D).to(FP)
+    idx = torch.randint(-1, N + 1, (T, K), dtype=torch.int32)
+    idx[:, 1] = idx[:, 0]
+    sink = torch.randn(H)
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
+    do = torch.randn_like(out)
+
+    def run():
+        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
+                                   main=backward_triton, deterministic=True)
+
+    whole = run()
+    monkeypatch.setattr(kbwd, "FOLD_BLOCK_D", width)
+    part = run()
+    assert all(torch.equal(a, b) for a, b in zip(whole, part))
+    assert whole[1].abs().sum() > 0
+
+
 @pytest.mark.parametrize("sort_entries", [1, 40, 10**6], ids=["chunk-a-sort", "chunks-2-a-sort", "one-sort"])
 @pytest.mark.parametrize("lengths", [False, True], ids=["full", "lengths"])
 def test_chunked_deterministic_backward_gives_the_same_bits_interpreted(monkeypatch, sort_entries, lengths):
