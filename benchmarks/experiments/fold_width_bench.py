@@ -10,7 +10,8 @@ twice the contiguous bytes an entry (DRAM pages) and load each entry's position 
 Prediction: the fold 5-15% faster, the deterministic backward 2-6% at T = 4096; the
 bits unchanged (columns are summed independently). Inputs as in ``bench.py
 --backward-sweep`` (window + distinct pool ids, causal at T = 131072; D = 512, bf16, a sink).
-FOLD_WIDTH_SHAPES="T,H,K,ids;..." picks the rows, FOLD_WIDTH_REPS the passes.
+FOLD_WIDTH_SHAPES="T,H,K,ids;..." picks the rows, FOLD_WIDTH_REPS the passes;
+FOLD_WIDTH_576=1 times the 576/512 layout's masked widths instead (``v32_layout``).
 """
 import json
 import os
@@ -60,9 +61,49 @@ def fold_alone():
                               ms=round(ms, 4), TBps=round(nbytes / ms / 1e9, 3))), flush=True)
 
 
+def v32_layout():
+    """The 576/512 layout (D = 576 is no multiple of 512): the deterministic backward with
+    the masked width ``FOLD_BLOCK_D_MASKED`` at 256 (three programs a row, the last a
+    quarter used), 512 (two) and 1024 (one, 576 of its columns used)."""
+    Dq, dv, T = 576, 512, 4096
+    for H, K in ((64, 640), (128, 1152), (64, 2048)):
+        torch.manual_seed(0)
+        g = torch.Generator(device=dev).manual_seed(0)
+        idx = testing.deepseek_indices(T, K, n_pool=max(T // 4, K), pool="distinct", device=dev, generator=g)
+        q = torch.randn(T, H, Dq, device=dev, dtype=torch.bfloat16)
+        kv = torch.randn(T + max(T // 4, K), Dq, device=dev, dtype=torch.bfloat16)
+        sink = torch.randn(H, device=dev)
+        out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, Dq ** -0.5, None, dv)
+        do = torch.randn_like(out)
+
+        def run(w):
+            kbwd.FOLD_BLOCK_D_MASKED = w
+            try:
+                return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, Dq ** -0.5,
+                                           main=backward_gluon, deterministic=True)
+            finally:
+                kbwd.FOLD_BLOCK_D_MASKED = 256
+
+        ref = run(256)
+        r = dict(T=T, H=H, K=K, D=Dq, d_v=dv)
+        for w in (512, 1024):
+            r[f"w{w}_bitwise"] = all(torch.equal(x, y) for x, y in zip(run(w), ref))
+        del ref
+        fl = 2 * T * H * K * (3 * Dq + 2 * dv)
+        for rep in range(REPS):
+            for w in (256, 512, 1024):
+                ms = triton.testing.do_bench(lambda: run(w), warmup=2, rep=40)
+                r[f"w{w}_ms_{rep}"] = round(ms, 4)
+                r[f"w{w}_tflops_{rep}"] = round(fl / ms * 1e-9, 1)
+        print(json.dumps(r), flush=True)
+
+
 def main():
     print(json.dumps(dict(device=torch.cuda.get_device_name(), triton=triton.__version__,
                           commit=os.environ.get("BENCH_COMMIT", "?"))), flush=True)
+    if os.environ.get("FOLD_WIDTH_576") == "1":
+        v32_layout()
+        return
     fold_alone()
     for T, H, K, ids in SHAPES:
         torch.manual_seed(0)

@@ -41,11 +41,13 @@ PARTIAL_BYTES = 896 * 2**20
 # buffers), 48 MiB.
 SORT_ENTRIES = 2**21
 
-# Columns a program of the deterministic fold where D is a multiple (else 256): a whole
+# Columns a program of the deterministic fold where D is a multiple: a whole
 # 2 KB partial row at D = 512, so an entry's row is read in one piece by one program (H200,
 # one chunk of H64 K640: 3.84 TB/s against 3.25 for two 1 KB halves read by two programs at
-# different times; docs/performance/backward.md#whole-partial-rows-a-fold-program).
+# different times; docs/performance/backward.md#whole-partial-rows-a-fold-program-kept).
 FOLD_BLOCK_D = 512
+# Columns a program where D is not a multiple (D = 576), the last block masked.
+FOLD_BLOCK_D_MASKED = 256
 
 
 @triton.jit(do_not_specialize=["t_lo", "n_tok", "K", "stride_t", "N", "n"])
@@ -294,10 +296,10 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         group = max(1, min(n_chunks, SORT_ENTRIES // max(1, chunk * K)))  # chunks a sort
         n_flags = main.flags_per_chunk(chunk, n_hb)
         lengths = topk_length if topk_length is not None else indices
-        # FOLD_BLOCK_D columns a program where D is a multiple, else 256 with the last block
-        # masked (576: three programs a row; the 64-column programs of gcd(576, 256) left the
-        # fold with a quarter of the loads in flight and nine reads of each entry's position)
-        block_d = min(FOLD_BLOCK_D, next_pow2(D)) if D % FOLD_BLOCK_D == 0 else min(256, next_pow2(D))
+        # FOLD_BLOCK_D columns a program where D is a multiple, else FOLD_BLOCK_D_MASKED with
+        # the last block masked (576: the 64-column programs of gcd(576, 256) left the fold
+        # with a quarter of the loads in flight and nine reads of each entry's position)
+        block_d = min(FOLD_BLOCK_D if D % FOLD_BLOCK_D == 0 else FOLD_BLOCK_D_MASKED, next_pow2(D))
         rows_per_program, unroll, fold_warps = fold_tile(N, n_sm)
         for c0 in range(0, n_chunks, group):
             g = min(group, n_chunks - c0)
