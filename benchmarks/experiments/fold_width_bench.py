@@ -2,7 +2,7 @@
 against half rows (256 columns, two programs a row: the shipped width), alone on one
 chunk and in the whole deterministic backward, A, B, A, B in one process.
 
-    PYTHONPATH=src:tests python benchmarks/experiments/fold_width_bench.py > fold_width.jsonl
+    PYTHONPATH=src:benchmarks python benchmarks/experiments/fold_width_bench.py > fold_width.jsonl
 
 Question: the fold reads each chunk's partial rows at about 3.2 TB/s; a row's two 1 KB
 halves are read by two programs at different times. Whole rows from one program read
@@ -12,6 +12,7 @@ bits unchanged (columns are summed independently). Inputs as in ``bench.py
 --backward-sweep`` (window + distinct pool ids, causal at T = 131072; D = 512, bf16, a sink).
 FOLD_WIDTH_SHAPES="T,H,K,ids;..." picks the rows, FOLD_WIDTH_REPS the passes;
 FOLD_WIDTH_576=1 times the 576/512 layout's masked widths instead (``v32_layout``).
+(The first results, `..._fold-width_commit02e2ea8.jsonl`, name the arms bd256 / bd512.)
 """
 import json
 import os
@@ -23,6 +24,7 @@ import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn import testing
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
+from bench import make_inputs
 
 dev, D = "cuda", 512
 SHAPES = [(int(a), int(b), int(c), d) for a, b, c, d in (r.split(",") for r in os.environ.get(
@@ -61,41 +63,49 @@ def fold_alone():
                               ms=round(ms, 4), TBps=round(nbytes / ms / 1e9, 3))), flush=True)
 
 
+def sweep_case(T, H, K, ids, Dq=D, dv=None):
+    """bench.py --backward-sweep's inputs (window + pool ids, a sink; D = Dq, values dv)
+    and the forward's out and lse: (q, kv, idx, sink, out, lse, do)."""
+    q, kv, idx, sink = make_inputs(T, H, K, Dq, pool=ids, n_pool=max(T // 4, K))
+    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, Dq ** -0.5, None, dv)
+    return q, kv, idx, sink, out, lse, torch.randn_like(out)
+
+
+def det_backward(case, knob, value):
+    """The deterministic backward with ``backward.<knob>`` set to ``value`` for the call."""
+    q, kv, idx, sink, out, lse, do = case
+    old = getattr(kbwd, knob)
+    setattr(kbwd, knob, value)
+    try:
+        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, q.shape[-1] ** -0.5,
+                                   main=backward_gluon, deterministic=True)
+    finally:
+        setattr(kbwd, knob, old)
+
+
+def compare(r, case, knob, values, fl, rep_ms):
+    """Bitwise check of every value against the first, then REPS passes of all of them."""
+    ref = det_backward(case, knob, values[0])
+    for v in values[1:]:
+        r[f"w{v}_bitwise"] = all(torch.equal(x, y) for x, y in zip(det_backward(case, knob, v), ref))
+    del ref
+    for rep in range(REPS):
+        for v in values:
+            ms = triton.testing.do_bench(lambda: det_backward(case, knob, v), warmup=2, rep=rep_ms)
+            r[f"w{v}_ms_{rep}"] = round(ms, 4)
+            r[f"w{v}_tflops_{rep}"] = round(fl / ms * 1e-9, 1)
+    print(json.dumps(r), flush=True)
+
+
 def v32_layout():
     """The 576/512 layout (D = 576 is no multiple of 512): the deterministic backward with
     the masked width ``FOLD_BLOCK_D_MASKED`` at 256 (three programs a row, the last a
     quarter used), 512 (two) and 1024 (one, 576 of its columns used)."""
     Dq, dv, T = 576, 512, 4096
     for H, K in ((64, 640), (128, 1152), (64, 2048)):
-        torch.manual_seed(0)
-        g = torch.Generator(device=dev).manual_seed(0)
-        idx = testing.deepseek_indices(T, K, n_pool=max(T // 4, K), pool="distinct", device=dev, generator=g)
-        q = torch.randn(T, H, Dq, device=dev, dtype=torch.bfloat16)
-        kv = torch.randn(T + max(T // 4, K), Dq, device=dev, dtype=torch.bfloat16)
-        sink = torch.randn(H, device=dev)
-        out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, Dq ** -0.5, None, dv)
-        do = torch.randn_like(out)
-
-        def run(w):
-            kbwd.FOLD_BLOCK_D_MASKED = w
-            try:
-                return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, Dq ** -0.5,
-                                           main=backward_gluon, deterministic=True)
-            finally:
-                kbwd.FOLD_BLOCK_D_MASKED = 256
-
-        ref = run(256)
-        r = dict(T=T, H=H, K=K, D=Dq, d_v=dv)
-        for w in (512, 1024):
-            r[f"w{w}_bitwise"] = all(torch.equal(x, y) for x, y in zip(run(w), ref))
-        del ref
-        fl = 2 * T * H * K * (3 * Dq + 2 * dv)
-        for rep in range(REPS):
-            for w in (256, 512, 1024):
-                ms = triton.testing.do_bench(lambda: run(w), warmup=2, rep=40)
-                r[f"w{w}_ms_{rep}"] = round(ms, 4)
-                r[f"w{w}_tflops_{rep}"] = round(fl / ms * 1e-9, 1)
-        print(json.dumps(r), flush=True)
+        case = sweep_case(T, H, K, "distinct", Dq, dv)
+        compare(dict(T=T, H=H, K=K, D=Dq, d_v=dv), case, "FOLD_BLOCK_D_MASKED", (256, 512, 1024),
+                2 * T * H * K * (3 * Dq + 2 * dv), 40)
 
 
 def main():
@@ -106,35 +116,9 @@ def main():
         return
     fold_alone()
     for T, H, K, ids in SHAPES:
-        torch.manual_seed(0)
-        n_pool = max(T // 4, K)
-        g = torch.Generator(device=dev).manual_seed(0)
-        idx = testing.deepseek_indices(T, K, n_pool=n_pool, pool=ids, device=dev, generator=g)
-        q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
-        kv = torch.randn(T + n_pool, D, device=dev, dtype=torch.bfloat16)
-        sink = torch.randn(H, device=dev)
-        out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
-        do = torch.randn_like(out)
-
-        def run(bd):
-            kbwd.FOLD_BLOCK_D = bd
-            try:
-                return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
-                                           main=backward_gluon, deterministic=True)
-            finally:
-                kbwd.FOLD_BLOCK_D = 256
-
-        a, b = run(256), run(512)
-        r = dict(T=T, H=H, K=K, ids=ids, bitwise=all(torch.equal(x, y) for x, y in zip(a, b)))
-        del a, b
-        fl = 10 * T * H * K * D
         rep_ms = 40 if T <= 4096 else 100 if T <= 32768 else 400
-        for rep in range(REPS):
-            for bd in (256, 512):
-                ms = triton.testing.do_bench(lambda: run(bd), warmup=2, rep=rep_ms)
-                r[f"bd{bd}_ms_{rep}"] = round(ms, 4)
-                r[f"bd{bd}_tflops_{rep}"] = round(fl / ms * 1e-9, 1)
-        print(json.dumps(r), flush=True)
+        compare(dict(T=T, H=H, K=K, ids=ids), sweep_case(T, H, K, ids), "FOLD_BLOCK_D", (256, 512),
+                10 * T * H * K * D, rep_ms)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,24 @@ def test_sink_gradient_kernel_interpreted():
     assert kbwd.sink_grad(sink, lse[:0], delta[:0]).eq(0).all()  # T = 0: zeros
 
 
+def _deterministic_backward(T, H, N, K, D, id_hi):
+    """A call of the deterministic backward (Triton main kernel) on fixed random fp16
+    inputs: ids in [-1, id_hi) with slot 1 a duplicate of slot 0, a sink, no grad_lse."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
+    from dsv4_sparse_attn.kernels import backward_triton
+    from dsv4_sparse_attn.kernels import forward_triton as kfwd
+
+    torch.manual_seed(0)
+    q, kv = torch.randn(T, H, D).to(FP), torch.randn(N, D).to(FP)
+    idx = torch.randint(-1, id_hi, (T, K), dtype=torch.int32)
+    idx[:, 1] = idx[:, 0]
+    sink = torch.randn(H)
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
+    do = torch.randn_like(out)
+    return lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
+                                       main=backward_triton, deterministic=True)
+
+
 @pytest.mark.parametrize("tile, H", [((2, 4, 4), 3), ((8, 4, 4), 3), ((16, 8, 8), 3), ((4, 4, 4), 70)])
 def test_fold_tiles_give_the_same_bits_interpreted(monkeypatch, tile, H):
     """The deterministic fold with several kv rows side by side (what long contexts get,
@@ -106,22 +124,8 @@ def test_fold_tiles_give_the_same_bits_interpreted(monkeypatch, tile, H):
     tile and most rows untouched: bitwise the gradients of one row per program, and rows
     no token selects stay zero. H = 70: two head-block parts per partial row (N_HB = 2)."""
     from dsv4_sparse_attn.kernels import backward as kbwd
-    from dsv4_sparse_attn.kernels import backward_triton
-    from dsv4_sparse_attn.kernels import forward_triton as kfwd
 
-    torch.manual_seed(0)
-    T, N, K, D = 5, 100, 7, 64
-    q, kv = torch.randn(T, H, D).to(FP), torch.randn(N, D).to(FP)
-    idx = torch.randint(-1, 40, (T, K), dtype=torch.int32)  # rows 40..99 untouched
-    idx[:, 1] = idx[:, 0]
-    sink = torch.randn(H)
-    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
-    do = torch.randn_like(out)
-
-    def run():
-        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
-                                   main=backward_triton, deterministic=True)
-
+    run = _deterministic_backward(T=5, H=H, N=100, K=7, D=64, id_hi=40)  # rows 40..99 untouched
     one = run()
     monkeypatch.setattr(kbwd, "fold_tile", lambda N, n_sm: tile)
     many = run()
@@ -135,23 +139,9 @@ def test_fold_width_gives_the_same_bits_interpreted(monkeypatch, width):
     only split the columns, which are summed independently: bitwise the same gradients
     with half or quarter rows a program (duplicated and masked ids, two head-block parts)."""
     from dsv4_sparse_attn.kernels import backward as kbwd
-    from dsv4_sparse_attn.kernels import backward_triton
-    from dsv4_sparse_attn.kernels import forward_triton as kfwd
 
     assert kbwd.FOLD_BLOCK_D == 512
-    torch.manual_seed(0)
-    T, H, N, K, D = 4, 70, 30, 9, 512
-    q, kv = torch.randn(T, H, D).to(FP), torch.randn(N, D).to(FP)
-    idx = torch.randint(-1, N + 1, (T, K), dtype=torch.int32)
-    idx[:, 1] = idx[:, 0]
-    sink = torch.randn(H)
-    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
-    do = torch.randn_like(out)
-
-    def run():
-        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
-                                   main=backward_triton, deterministic=True)
-
+    run = _deterministic_backward(T=4, H=70, N=30, K=9, D=512, id_hi=31)
     whole = run()
     monkeypatch.setattr(kbwd, "FOLD_BLOCK_D", width)
     part = run()
