@@ -204,14 +204,24 @@ def _acc_to_kv_kernel(ACC, OUT, N, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK
     tl.store(OUT + rows[:, None] * D + c[None, :], x.to(OUT.dtype.element_ty), mask=m)
 
 
+def fold_block_d(D: int) -> int:
+    """Columns a program of the deterministic fold: ``FOLD_BLOCK_D`` where D is a multiple,
+    else ``FOLD_BLOCK_D_MASKED`` with the last block masked (576: the 64-column programs of
+    gcd(576, 256) left the fold with a quarter of the loads in flight and nine reads of each
+    entry's position); D itself where it is a smaller power of two."""
+    return min(FOLD_BLOCK_D if D % FOLD_BLOCK_D == 0 else FOLD_BLOCK_D_MASKED, next_pow2(D))
+
+
 def fold_tile(N: int, n_sm: int) -> tuple[int, int, int]:
     """(ROWS, UNROLL, num_warps) of the deterministic fold. One kv row a program, eight
     entries a step, up to N = 512 rows an SM (T = 4096: N = 5120, every row touched, long
     segments); beyond, where a chunk touches few of the N rows (T = 131072, H = 64, K = 640:
     about 34k of 163,840) and each has few entries, four rows side by side, four entries a
-    step (80 registers under Triton 3.6). H200, deterministic backward, H64 K640, causal
-    ids (benchmarks/experiments/fold_tile_bench.py): T = 131072 165.8 ms against 178.7 with
-    one row a program, T = 32768 39.7 against 38.1. Any tile gives the same bits."""
+    step (120 registers with 512 columns, 80 with 256, under Triton 3.6). H200,
+    deterministic backward, H64 K640, causal ids, 256 columns
+    (benchmarks/experiments/fold_tile_bench.py): T = 131072 165.8 ms against 178.7 with one
+    row a program, T = 32768 39.7 against 38.1; with 512 columns 154 ms at T = 131072
+    (fold_width_bench.py). Any tile gives the same bits."""
     if n_sm <= 0 or N <= n_sm * 512:
         return 1, 8, 4
     return 4, 4, 4
@@ -296,10 +306,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         group = max(1, min(n_chunks, SORT_ENTRIES // max(1, chunk * K)))  # chunks a sort
         n_flags = main.flags_per_chunk(chunk, n_hb)
         lengths = topk_length if topk_length is not None else indices
-        # FOLD_BLOCK_D columns a program where D is a multiple, else FOLD_BLOCK_D_MASKED with
-        # the last block masked (576: the 64-column programs of gcd(576, 256) left the fold
-        # with a quarter of the loads in flight and nine reads of each entry's position)
-        block_d = min(FOLD_BLOCK_D if D % FOLD_BLOCK_D == 0 else FOLD_BLOCK_D_MASKED, next_pow2(D))
+        block_d = fold_block_d(D)
         rows_per_program, unroll, fold_warps = fold_tile(N, n_sm)
         for c0 in range(0, n_chunks, group):
             g = min(group, n_chunks - c0)
