@@ -54,10 +54,11 @@ def test_backward_without_grad_lse_interpreted():
     check_backward(Case(3, 4, 64, 30, 20, dtype=FP), "cpu", with_dlse=False)
 
 
-def test_v32_layout_deterministic_fold_interpreted():
-    """The 576/512 layout's deterministic backward: its fold runs 256-column programs, the
-    last of each row masked past column 576 (a row's three programs must cover all 576
-    columns once), against the float64 oracle."""
+def test_v32_layout_deterministic_fold_interpreted(monkeypatch):
+    """The 576/512 layout's deterministic backward: its fold runs one 1024-column program a
+    row (masked past column 576), and 256-column ones where a program holds several rows
+    (three a row, the last masked): both cover all 576 columns once, against the float64
+    oracle, and give the same bits."""
     from dsv4_sparse_attn.kernels import backward as kbwd
     from dsv4_sparse_attn.kernels import backward_triton
     from dsv4_sparse_attn.kernels import forward_triton as kfwd
@@ -71,13 +72,19 @@ def test_v32_layout_deterministic_fold_interpreted():
     sink = torch.randn(H)
     out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, d_v=d_v)
     do = torch.randn(T, H, d_v).to(FP)
-    gq, gkv, gs = kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
-                                      main=backward_triton, deterministic=True)
     rq, rkv, rs = oracle_bwd(do, None, q, kv, idx, sink, None, None, d_v)
-    assert gkv.shape == (N, D)
-    assert relerr(gq, rq) < 6e-3 and relerr(gkv, rkv) < 6e-3 and relerr(gs, rs) < 4e-3
-    # the rope columns get dS^T Q only; every column of a selected row was written
-    assert relerr(gkv[:, d_v:], rkv[:, d_v:]) < 6e-3
+    assert kbwd.fold_block_d(D) == 1024 and kbwd.fold_block_d(D, 4) == 256
+    results = []
+    for tile in ((1, 8, 4), (4, 4, 4)):
+        monkeypatch.setattr(kbwd, "fold_tile", lambda N, n_sm, tile=tile: tile)
+        gq, gkv, gs = kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
+                                          main=backward_triton, deterministic=True)
+        assert gkv.shape == (N, D)
+        assert relerr(gq, rq) < 6e-3 and relerr(gkv, rkv) < 6e-3 and relerr(gs, rs) < 4e-3
+        # the rope columns get dS^T Q only; every column of a selected row was written
+        assert relerr(gkv[:, d_v:], rkv[:, d_v:]) < 6e-3
+        results.append((gq, gkv, gs))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_sink_gradient_kernel_interpreted():
