@@ -386,15 +386,18 @@ def test_deterministic_backward_does_not_depend_on_chunking(monkeypatch, gluon):
             assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("D, d_v", [(512, None), (576, 512)], ids=["d512", "v32"])
 @pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
-def test_deterministic_fold_tiles_give_the_same_bits(monkeypatch, gluon):
+def test_deterministic_fold_tiles_give_the_same_bits(monkeypatch, gluon, D, d_v):
     """At N = 40,000, most rows untouched: the fold with kv rows side by side (the tiles
     ``backward.fold_tile`` gives long contexts, and a wider one) gives the bits of one row a
-    program, skips the rows no token selects, and matches the float64 oracle."""
+    program, skips the rows no token selects, and matches the float64 oracle. At 576/512
+    the one-row tile folds whole 1024-column rows and the others 256-column blocks
+    (``backward.fold_block_d``), the last of a row masked."""
     main = _main(gluon)
-    c = Case(48, 64, 512, 40000, 160, ids="random")
+    c = Case(48, 64, D, 40000, 160, ids="random")
     q, kv, idx, sink = make_case(c, DEV)
-    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5)
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5, d_v=d_v)
     do, dl = torch.randn_like(out), torch.randn_like(lse)
 
     def run(tile):
@@ -407,7 +410,7 @@ def test_deterministic_fold_tiles_give_the_same_bits(monkeypatch, gluon):
         b = run(tile)
         for x, y in zip(a, b):
             assert torch.equal(x, y), tile
-    rq, rkv, rs = oracle_bwd(do, dl, q, kv, idx, sink)
+    rq, rkv, rs = oracle_bwd(do, dl, q, kv, idx, sink, None, None, d_v)
     assert relerr(a[0], rq) < 3e-2 and relerr(a[1], rkv) < 3e-2 and relerr(a[2], rs) < 2e-2
 
 
