@@ -59,8 +59,10 @@ tests)
   files=(tests/test_kernels_gpu.py tests/test_compile.py tests/test_cuda_graphs.py tests/test_fsdp.py
          tests/test_checkpointing.py tests/test_modules.py tests/test_export.py)
   shard=${TEST_SHARD:-1/1}; i=${shard%/*}; n=${shard#*/}
-  python3 -m pytest --collect-only -q -p no:cacheprovider "${files[@]}" 2>/dev/null | grep '::' \
-    | awk -v i="$i" -v n="$n" '(NR - i) % n == 0' > /tmp/gpu_test_ids
+  # A collection error stops the call: the shards would silently leave the file out.
+  python3 -m pytest --collect-only -q -p no:cacheprovider "${files[@]}" > /tmp/gpu_test_list 2>&1 \
+    || { tail -15 /tmp/gpu_test_list | tee "$OUT/gpu_tests_collect.log"; exit 1; }
+  grep '::' /tmp/gpu_test_list | awk -v i="$i" -v n="$n" '(NR - i) % n == 0' > /tmp/gpu_test_ids
   mapfile -t ids < /tmp/gpu_test_ids; echo "shard $shard: ${#ids[@]} tests"
   timeout ${TEST_TIMEOUT:-480} python3 -m pytest -q -rs -n ${TEST_WORKERS:-12} -p no:cacheprovider \
     "${ids[@]}" 2>&1 | grep -v -i "benchmark" | tail -30 | tee "$OUT/gpu_tests_${i}of${n}.log"
