@@ -185,7 +185,7 @@ FWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", SINK="*fp32", OUT="*bf16", L
                  scale_log2="fp32")
 FWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_ot", "stride_oh")
 BWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", DO="*bf16", LSE="*fp32", DELTA="*fp32",
-                 DQ="*bf16", DKV="*fp32", ACC="*fp32", PARTIAL="*fp32", FLAGS="*i32", LEN="*i32",
+                 DQ="*bf16", DKV="*fp32", ACC="*fp32", PARTIAL="*fp32", FLAGS="*i32", LEN="*i32", TOK="*i32",
                  ORDER="*i32", DQR="*fp32", TR="*i32", DQP="*bf16",
                  scale="fp32",
                  scale_log2="fp32")

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .common import cuda_properties
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON_VERSION, TensorDescriptor,
                      async_load, balanced_order, fake_group_base, hopper_rejects, load_ids, red_f32x4_fake,
-                     red_f32x4_lines, st_f32x4_fake, thread_barrier, tile_token, tma_load, tma_store,
+                     red_f32x4_lines, st_f32x4_fake, thread_barrier, tma_load, tma_store,
                      tma_store_wait)
 
 NAME = "gluon_sm90"
@@ -176,6 +176,20 @@ _DQ_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4,
 
 
 @gluon.jit
+def _chunk_tile(ORDER, t_begin, pos, HAS_LEN: gl.constexpr):
+    """(position within the chunk, token) of a persistent program's tile position ``pos``:
+    (pos, t_begin + pos), or with lengths the pair ``ORDER[pos]`` (``schedule``). The
+    position indexes the chunk's partial rows."""
+    if HAS_LEN:
+        c = gl.load(ORDER + 2 * pos).to(gl.int64)
+        t = gl.load(ORDER + 2 * pos + 1).to(gl.int64)
+    else:
+        c = pos.to(gl.int64)
+        t = t_begin + c
+    return c, t
+
+
+@gluon.jit
 def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
               ABL: gl.constexpr):
     _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, False, 0)
@@ -227,7 +241,7 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
     tcount = 0
     bcount = 0  # slot blocks gathered so far (the barriers' phases)
     for tile in range(rank, n_tiles, gl.num_programs(0)):
-        pid_t = t_begin + tile_token(ORDER, tile // n_hb, HAS_LEN)
+        _, pid_t = _chunk_tile(ORDER, t_begin, tile // n_hb, HAS_LEN)
         pid_h = tile % n_hb
         k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN)
         if ABL & 16:
@@ -329,21 +343,21 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
     tcount = 0
     bcount = 0  # slot blocks consumed so far (the barriers' phases)
     for tile in range(rank, n_tiles, gl.num_programs(0)):
-        pid_c = tile_token(ORDER, tile // n_hb, HAS_LEN)  # token within the chunk
+        pid_c, pid_t = _chunk_tile(ORDER, t_begin, tile // n_hb, HAS_LEN)
         pid_h = tile % n_hb
-        k_end, nb_t, g0 = _tile_blocks(LEN, t_begin + pid_c, K, nb, tcount, bcount, HAS_LEN)
+        k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN)
         if ABL & 16:
             _stamp(TR, n_tiles, rank, tcount, _EV_C_TILE + 4 * WG)
         if TRANS:
             _consume_tile_split_t(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c,
-                                  t_begin + pid_c, tcount, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT, DQ_TMA,
+                                  pid_t, tcount, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT, DQ_TMA,
                                   HP)
         elif SPLIT:
-            _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
+            _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t,
                                 pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT,
                                 EARLY, DQ_TMA, ABL, HP)
         else:
-            _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, t_begin + pid_c,
+            _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t,
                           pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST,
                           DQ_TMA, ABL, HP)
         if ABL & 16:
@@ -1245,14 +1259,17 @@ def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
 
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
-           scale_log2, paired, topk_length=None, lines=None, order=None, evict_last=None, split=None,
-           qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None, head_pad=None, transposed=None):
+           scale_log2, paired, topk_length=None, tokens=None, lines=None, order=None, evict_last=None,
+           split=None, qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None, head_pad=None,
+           transposed=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
     ``flags``: ``flags_per_chunk`` int32 zeros. ``topk_length``: int32 [T] or None; a
-    tile visits the 64-slot blocks that hold its token's slots, the chunk's tokens taken in
-    ``order`` (this chunk's part of ``schedule``; computed here when None). ``ablate``
+    tile visits the 64-slot blocks that hold its token's slots. With it the chunk holds the
+    tokens ``tokens`` (int32 [n_tok], its partial rows in that order; default those of
+    [t_begin, t_begin + n_tok)), taken in ``order`` (this chunk's part of ``schedule``;
+    computed here when None). ``ablate
     (measurement only; the gradients are then wrong): parts of a tile's work taken out,
     a sum of 1 (dQ stores), 2 (q/dO loads after a program's first tile, cp.async path),
     4 (lse/Delta loads: 0) and 8 (dKV reductions predicated off)
@@ -1268,7 +1285,9 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         raise ValueError("head blocks pair up only on the partial-row path, with an even count")
     grid = _programs(n_tiles, q.device, paired)
     if topk_length is not None and order is None:
-        order = schedule(topk_length[t_begin:t_begin + n_tok], n_tok, H, paired)
+        if tokens is None:
+            tokens = torch.arange(t_begin, t_begin + n_tok, device=q.device, dtype=torch.int32)
+        order = schedule(topk_length, n_tok, H, paired, tokens)
     rope = D - grad_out.shape[-1]
     # the programs' dQ scratch for the rope columns (zeros; the kernel leaves it zero)
     dqr = torch.zeros((grid, BLOCK_H, rope), dtype=torch.float32, device=q.device) if rope else acc
@@ -1390,11 +1409,17 @@ def _programs(n_tiles: int, device, paired: bool) -> int:
     return grid
 
 
-def schedule(topk_length, chunk: int, H: int, paired: bool):
-    """With lengths the tiles differ in work: the order in which each chunk's programs take
-    its tokens (``hopper.balanced_order``), for all chunks of a call at once."""
+def schedule(topk_length, chunk: int, H: int, paired: bool, tokens):
+    """With lengths the tiles differ in work: int32 [P, 2], for each chunk of ``chunk``
+    positions of ``tokens`` (int32 [P]: position p holds token tokens[p]), the (position,
+    token) pairs in the order in which the chunk's programs take them
+    (``hopper.balanced_order`` of the positions' lengths), for all chunks of a call at once."""
     n_hb = triton.cdiv(H, BLOCK_H)
-    return balanced_order(topk_length, chunk, _programs(chunk * n_hb, topk_length.device, paired), n_hb)
+    P = tokens.shape[0]
+    lengths = topk_length.index_select(0, tokens)
+    order = balanced_order(lengths, chunk, _programs(chunk * n_hb, topk_length.device, paired), n_hb)
+    first = torch.arange(P, device=tokens.device, dtype=torch.int32) // chunk * chunk  # the chunk's first
+    return torch.stack((order, tokens.index_select(0, first + order)), 1)
 
 
 def tile_heads(D: int, H: int) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 import triton
 import triton.language as tl
 
@@ -57,7 +58,7 @@ def _dkv_score_only(ds_mm, q_x, ptr, mask, ATOMIC: tl.constexpr):
 
 @triton.jit(do_not_specialize=_MAIN_RUNTIME_INTS)
 def _bwd_main_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, PARTIAL, LEN,
+    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, PARTIAL, LEN, TOK,
     T, H, N, K, t_begin,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh,
     stride_lt, stride_gt, stride_gh,
@@ -77,8 +78,11 @@ def _bwd_main_kernel(
     # for the whole loop and each dKV quarter is formed and written on its own, which
     # keeps a 64-head, 64-slot, D=512 block under 255 registers without spills.
     QD: tl.constexpr = D // 4
-    pid_c = tl.program_id(0).to(tl.int64)  # token within the chunk
-    pid_t = t_begin + pid_c
+    pid_c = tl.program_id(0).to(tl.int64)  # position within the chunk (its partial rows)
+    if HAS_LEN:  # the chunk's tokens by position (backward.length_order)
+        pid_t = tl.load(TOK + pid_c).to(tl.int64)
+    else:
+        pid_t = t_begin + pid_c
     pid_h = tl.program_id(1)
     n_hb = tl.num_programs(1)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -220,16 +224,20 @@ def flags_per_chunk(n_tok: int, n_hb: int) -> int:
 
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
-           scale_log2, paired, topk_length=None, config: BwdConfig | None = None):
-    """One chunk of tokens [t_begin, t_begin + n_tok): dKV rows to ``partial``
-    ([n_tok, n_hb, K, D] fp32) or, without it, added to ``acc`` ([N, D] fp32)."""
+           scale_log2, paired, topk_length=None, tokens=None, config: BwdConfig | None = None):
+    """One chunk of tokens [t_begin, t_begin + n_tok) or, with ``topk_length``, the tokens
+    ``tokens`` (int32 [n_tok]; default those of [t_begin, t_begin + n_tok)): dKV rows to
+    ``partial`` ([n_tok, n_hb, K, D] fp32, in the chunk's order) or, without it, added to
+    ``acc`` ([N, D] fp32)."""
     T, H, W = q.shape
     D = grad_out.shape[-1]  # the value columns; W - D score-only ones (common.ROPE_D or 0)
     N, K = kv.shape[0], indices.shape[1]
     cfg = config or backward_config(D, H)
+    if topk_length is not None and tokens is None:
+        tokens = torch.arange(t_begin, t_begin + n_tok, device=q.device, dtype=torch.int32)
     _bwd_main_kernel[(n_tok, triton.cdiv(H, cfg.BLOCK_H))](
         q, kv, indices, grad_out, lse, delta, grad_q, acc, partial if partial is not None else acc,
-        topk_length if topk_length is not None else indices,
+        topk_length if topk_length is not None else indices, tokens if tokens is not None else indices,
         T, H, N, K, t_begin,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),

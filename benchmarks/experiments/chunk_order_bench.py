@@ -1,0 +1,65 @@
+"""With topk_length: the backward's tokens taken longest first (``backward.length_order``,
+shipped) against token order (the order before it), in one process, each arm twice.
+
+    PYTHONPATH=src:benchmarks python benchmarks/experiments/chunk_order_bench.py
+
+Inputs as features_bench.py's "lengths" rows (T = 4096, lengths uniform in [128, K],
+DeepSeek ids, a sink), at D = 512 and at 576/512 for K = 2048. Per arm: the fast and the
+deterministic backward (``torch.ops.dsv4.sparse_mla_bwd``, do_bench median), the
+deterministic gradients bitwise equal over two calls, and grad_kv's largest difference
+between the arms (the fold's order differs, so the last bits may) over its largest value.
+The full-K deterministic time is printed beside them (the ratio of issue #16's item 2).
+"""
+import json
+
+import torch
+import triton
+
+import features_bench as F
+from dsv4_sparse_attn.kernels import backward
+
+shipped = backward.length_order
+
+
+def token_order(topk_length, K):
+    return torch.arange(topk_length.shape[0], device=topk_length.device, dtype=torch.int32)
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+
+
+for name, H, K in (("d512", 64, 640), ("d512", 128, 1152), ("d512", 64, 2048), ("v32", 64, 2048)):
+    T = 4096
+    D = 576 if name == "v32" else 512
+    d_v = 512 if name == "v32" else None
+    q, kv, idx, sink = F.inputs(T, H, K, D)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    length = torch.randint(128, K + 1, (T,), device="cuda", generator=g, dtype=torch.int32)
+    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, None, length, d_v)
+    do, dl = torch.randn_like(out), torch.randn_like(lse)
+
+    def bwd(lengths=length):
+        return torch.ops.dsv4.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, None, lengths, d_v)
+
+    with F.backward_mode(True):
+        full_det = bench(lambda: bwd(None))
+    grads = {}
+    for rep in range(2):
+        for arm, fn in (("length", shipped), ("token", token_order)):
+            backward.length_order = fn
+            row = dict(layout=name, H=H, K=K, rep=rep, arm=arm, full_det_ms=full_det)
+            for mode, det in (("fast", False), ("det", True)):
+                with F.backward_mode(det):
+                    row[f"{mode}_ms"] = bench(bwd)
+            with F.backward_mode(True):
+                a, b = bwd(), bwd()
+            row["det_bitwise"] = all(torch.equal(x, y) for x, y in zip(a, b))
+            grads[arm] = a
+            row["det_ratio"] = row["det_ms"] / full_det
+            if len(grads) == 2:
+                dkv = (grads["length"][1].float() - grads["token"][1].float()).abs().max()
+                row["dkv_diff_rel"] = (dkv / grads["token"][1].float().abs().max()).item()
+            print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}),
+                  flush=True)
+    backward.length_order = shipped
