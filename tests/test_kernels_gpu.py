@@ -386,6 +386,39 @@ def test_deterministic_backward_does_not_depend_on_chunking(monkeypatch, gluon):
             assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("case", [Case(300, 64, 512, 900, 640, ids="deepseek", lengths=True),
+                                  Case(200, 128, 512, 700, 300, ids="deepseek", lengths=True),
+                                  Case(150, 64, 576, 500, 200, ids="dup", lengths=True)], ids=str)
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+def test_deterministic_backward_longest_first(monkeypatch, gluon, case):
+    """With lengths and the chunks taking the tokens longest first (``backward.length_order``,
+    forced here at any size): the same bits unchunked, in one-token chunks and in chunks of
+    whole waves, and the float64 oracle (one head block with the split schedule, the
+    head-block pair, the 576/512 layout; lengths past K and negative)."""
+    main = _main(gluon)
+    monkeypatch.setattr(kbwd, "LENGTH_ORDER_MIN_BYTES", 0)
+    d_v = 512 if case.D == 576 else None
+    q, kv, idx, sink = make_case(case, DEV)
+    length = make_lengths(case, DEV)
+    assert not torch.equal(kbwd.length_order(length, case.K).cpu(), torch.arange(case.T, dtype=torch.int32))
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, case.D ** -0.5, topk_length=length, d_v=d_v)
+    do, dl = torch.randn_like(out), torch.randn_like(lse)
+
+    def run(budget):
+        with monkeypatch.context() as m:
+            m.setattr(kbwd, "PARTIAL_BYTES", budget)
+            return kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, case.D ** -0.5, main=main,
+                                       topk_length=length)
+
+    a = run(kbwd.PARTIAL_BYTES)
+    for budget in (1, 40 * case.K * case.D * 4):
+        b = run(budget)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), budget
+    rq, rkv, rs = oracle_bwd(do, dl, q, kv, idx, sink, None, length, d_v)
+    assert relerr(a[0], rq) < 3e-2 and relerr(a[1], rkv) < 3e-2 and relerr(a[2], rs) < 2e-2
+
+
 @pytest.mark.parametrize("D, d_v", [(512, None), (576, 512)], ids=["d512", "v32"])
 @pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
 def test_deterministic_fold_tiles_give_the_same_bits(monkeypatch, gluon, D, d_v):

@@ -1,19 +1,26 @@
 """With topk_length: the backward's tokens taken longest first (``backward.length_order``,
-shipped) against token order (the order before it), in one process, each arm twice.
+shipped) against token order (the order before it), in one process, each arm twice (the
+second time in the other order).
 
     PYTHONPATH=src:benchmarks python benchmarks/experiments/chunk_order_bench.py
 
 Inputs as features_bench.py's "lengths" rows (T = 4096, lengths uniform in [128, K],
 DeepSeek ids, a sink), at D = 512 and at 576/512 for K = 2048. Per arm: the fast and the
-deterministic backward (``torch.ops.dsv4.sparse_mla_bwd``, do_bench median), the
+deterministic backward (``torch.ops.dsv4.sparse_mla_bwd``, bench.py's timing), the GPU
+time of one deterministic call's kernels (torch.profiler), the
 deterministic gradients bitwise equal over two calls, and grad_kv's largest difference
 between the arms (the fold's order differs, so the last bits may) over its largest value.
-The full-K deterministic time is printed beside them (the ratio of issue #16's item 2).
+The full-K deterministic time is printed beside them (the ratio of issue #16's item 2),
+and the host's time to enqueue a deterministic call. ``PROFILE_HOST=1``: cProfile of ten
+deterministic calls at H64 K2048 (shipped order).
 """
+import cProfile
 import json
+import os
+import pstats
+import time
 
 import torch
-import triton
 
 import features_bench as F
 from dsv4_sparse_attn.kernels import backward
@@ -26,7 +33,31 @@ def token_order(topk_length, K):
 
 
 def bench(fn):
-    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+    return F.bench(fn, 25, 200)  # (a warm-up call first, then do_bench's median)
+
+
+def host_ms(fn, calls=10):
+    """The host's time to enqueue one call (the GPU idle before it, no sync inside): where
+    it exceeds the kernels' time, the call waits on its chunks' launches."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t) / calls * 1e3
+    torch.cuda.synchronize()
+    return host
+
+
+def kernel_ms(fn):
+    """The GPU time of one call's kernels (torch.profiler): next to the wall time, whether
+    the call waits on the host (its chunks' launches) rather than on the GPU."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
 
 
 for name, H, K in (("d512", 64, 640), ("d512", 128, 1152), ("d512", 64, 2048), ("v32", 64, 2048)):
@@ -45,14 +76,17 @@ for name, H, K in (("d512", 64, 640), ("d512", 128, 1152), ("d512", 64, 2048), (
     with F.backward_mode(True):
         full_det = bench(lambda: bwd(None))
     grads = {}
+    arms = (("length", shipped), ("token", token_order))
     for rep in range(2):
-        for arm, fn in (("length", shipped), ("token", token_order)):
+        for arm, fn in arms if rep == 0 else arms[::-1]:
             backward.length_order = fn
             row = dict(layout=name, H=H, K=K, rep=rep, arm=arm, full_det_ms=full_det)
             for mode, det in (("fast", False), ("det", True)):
                 with F.backward_mode(det):
                     row[f"{mode}_ms"] = bench(bwd)
             with F.backward_mode(True):
+                row["det_kernels_ms"] = kernel_ms(bwd)
+                row["det_host_ms"] = host_ms(bwd)
                 a, b = bwd(), bwd()
             row["det_bitwise"] = all(torch.equal(x, y) for x, y in zip(a, b))
             grads[arm] = a
@@ -63,3 +97,15 @@ for name, H, K in (("d512", 64, 640), ("d512", 128, 1152), ("d512", 64, 2048), (
             print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}),
                   flush=True)
     backward.length_order = shipped
+    if os.environ.get("PROFILE_HOST") and name == "d512" and K == 2048:
+        # where the host's time per call goes (the deterministic mode, 32 chunks)
+        with F.backward_mode(True):
+            bwd()
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(10):
+                bwd()
+            prof.disable()
+            torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)

@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from kernel_checks import Case, check_backward, check_forward
+from helpers import oracle_bwd, relerr
+from kernel_checks import TOL, Case, check_backward, check_forward
 
 # A guard: without the variable, conftest.py hands these tests to a child process before
 # they run, so this skip is only reached if that hand-over was bypassed.
@@ -157,16 +158,19 @@ def test_fold_width_gives_the_same_bits_interpreted(monkeypatch, width):
 
 
 @pytest.mark.parametrize("sort_entries", [1, 40, 10**6], ids=["chunk-a-sort", "chunks-2-a-sort", "one-sort"])
-@pytest.mark.parametrize("lengths", [False, True], ids=["full", "lengths"])
+@pytest.mark.parametrize("lengths", [False, True, "longest-first"], ids=["full", "lengths", "longest-first"])
 def test_chunked_deterministic_backward_gives_the_same_bits_interpreted(monkeypatch, sort_entries, lengths):
     """The deterministic backward in chunks of 2 tokens (T = 7: the last chunk short), their
     ids inverted one chunk a sort, two a sort (the last group short) or all at once: bitwise
     the gradients of one chunk, with masked, out-of-range and duplicated ids and per-token
-    lengths (values past K and negative too)."""
+    lengths (values past K and negative too), the chunks taking the tokens in token order
+    or longest first (``backward.length_order``; then also against the float64 oracle)."""
     from dsv4_sparse_attn.kernels import backward as kbwd
     from dsv4_sparse_attn.kernels import backward_triton
     from dsv4_sparse_attn.kernels import forward_triton as kfwd
 
+    if lengths == "longest-first":
+        monkeypatch.setattr(kbwd, "LENGTH_ORDER_MIN_BYTES", 0)
     torch_sort = torch.sort
     torch.manual_seed(0)
     T, H, N, K, D = 7, 3, 50, 9, 64
@@ -193,3 +197,9 @@ def test_chunked_deterministic_backward_gives_the_same_bits_interpreted(monkeypa
     assert sorts.count(0) == 4 and sorts.count(1) == {1: 4, 40: 2, 10**6: 1}[sort_entries]
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
     assert whole[1].abs().sum() > 0
+    if lengths == "longest-first":
+        assert kbwd.length_order(length, K).tolist() == [2, 3, 5, 1, 6, 0, 4]  # (ties in token order)
+        rq, rkv, rs = oracle_bwd(do, None, q, kv, idx, sink, None, length)
+        tol = TOL[FP]
+        assert relerr(whole[0], rq) < tol["grad"] and relerr(whole[1], rkv) < tol["grad"]
+        assert relerr(whole[2], rs) < tol["sink"]

@@ -17,8 +17,8 @@
    fixed order, then their sum; no [T, H] temporary).
 
 The chunk of tokens bounds the partial rows (``PARTIAL_BYTES``) whatever T is. With
-per-token lengths the tokens go longest first (``length_order``), so that a chunk's tokens
-have like lengths and its launch takes about as long as their slots ask.
+per-token lengths and large partial rows a token (short chunks), the chunks take the tokens
+longest first (``length_order``), so that a chunk's tokens have like lengths.
 """
 from __future__ import annotations
 
@@ -43,6 +43,17 @@ PARTIAL_BYTES = 896 * 2**20
 # buffers), 48 MiB.
 SORT_ENTRIES = 2**21
 
+# Partial-row bytes a token from which the deterministic mode with per-token lengths takes
+# the tokens longest first (``length_order``). A function of the shape only, so the bits
+# do not depend on the chunking. H200, T = 4096, lengths uniform in [128, K], kernels' time
+# (benchmarks/experiments/chunk_order_bench.py): 4 MiB a token (H64 K2048: chunks of one
+# wave, one token a program) 7.38 ms against 9.62 in token order, 4.5 MiB (576/512 K2048)
+# 9.28 against 12.07; 2.25 MiB (H128 K1152, five tiles a program a chunk) 7.62 against
+# 7.39, 1.25 MiB (H64 K640) level: where a chunk's programs take several tiles each, the
+# balanced order within it (``schedule``) already evens them out, and token order keeps a
+# chunk's window rows few (a cheaper fold).
+LENGTH_ORDER_MIN_BYTES = 3 * 2**20
+
 # Columns a program of the deterministic fold where D is a multiple: a whole
 # 2 KB partial row at D = 512, so an entry's row is read in one piece by one program (H200,
 # one chunk of H64 K640: 3.84 TB/s against 3.25 for two 1 KB halves read by two programs at
@@ -59,16 +70,16 @@ FOLD_BLOCK_D_MASKED_TILE = 256
 
 @triton.jit(do_not_specialize=["t_lo", "n_tok", "K", "stride_t", "N", "n"])
 def _sort_keys_kernel(IDX, LEN, TOK, KEYS, t_lo, n_tok, K, stride_t, N, n,
-                      HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_TOK: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
     """KEYS[e] for the flat (position - t_lo, slot) entries e < n: the entry's kv row, or N
     where it adds nothing (id < 0 or >= N, slot past the token's length, position past the
-    last one): N sorts after every row. Position p holds token p, or with lengths token
-    TOK[p] (``length_order``)."""
+    last one): N sorts after every row. Position p holds token p, or TOK[p]
+    (``length_order``)."""
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     pos = e // K
     slot = e - pos * K
     ok = (e < n) & (pos < n_tok)
-    if HAS_LEN:
+    if HAS_TOK:
         tok = tl.load(TOK + t_lo + pos, mask=ok, other=0).to(tl.int64)
     else:
         tok = t_lo + pos
@@ -289,10 +300,9 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             D=d_v, BLOCK_H=dh, HAS_DLSE=grad_lse is not None, num_warps=4,
         )
 
-    tokens = None  # with lengths: the tokens in the order the chunks take them
+    tokens = None  # with lengths: the tokens in the order the chunks take them (None: T's)
     if topk_length is not None:
         main_options = dict(main_options, topk_length=topk_length)
-        tokens = length_order(topk_length, K)
     orders = None  # a main kernel with a ``schedule`` orders each chunk's tokens by length
 
     def launch(p_begin, n_tok, partial, flags):
@@ -316,6 +326,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     elif T > 0:
         n_sm = cuda_properties(dev).multi_processor_count if dev.type == "cuda" else 0
         chunk = chunk_tokens(T, n_part, k_stride, D, PARTIAL_BYTES, n_sm)
+        if topk_length is not None and n_part * k_stride * D * 4 >= LENGTH_ORDER_MIN_BYTES:
+            tokens = length_order(topk_length, K)
         if topk_length is not None and hasattr(main, "schedule"):
             orders = main.schedule(topk_length, chunk, H, paired, tokens)
         partial = torch.empty((chunk, n_part, k_stride, D), dtype=torch.float32, device=dev)
@@ -341,7 +353,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                 _sort_keys_kernel[(triton.cdiv(n, 1024),)](
                     indices, lengths, tokens if tokens is not None else lengths, keys, t_lo,
                     min(T, t_lo + g * chunk) - t_lo, K, indices.stride(0), N, n,
-                    HAS_LEN=topk_length is not None, BLOCK=1024, num_warps=4)
+                    HAS_TOK=tokens is not None, HAS_LEN=topk_length is not None, BLOCK=1024, num_warps=4)
             sorted_ids, order = torch.sort(keys, dim=-1, stable=True)
             seg = torch.searchsorted(sorted_ids, rows.expand(g, N + 1).contiguous())
             flags = torch.zeros((g, n_flags), dtype=torch.int32, device=dev) if n_flags else None
@@ -373,9 +385,10 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
 def length_order(topk_length: torch.Tensor, K: int) -> torch.Tensor:
     """int32 [T]: the tokens longest first (by their length clamped to [0, K]; ties in token
     order, so equal lengths keep the token order). The chunks of the deterministic mode
-    take the tokens in this order: in token order a chunk of random lengths waits for its
-    longest tokens (H64 K2048, one token a program in a 132-token chunk: 0.79 of the full-K
-    time with lengths uniform in [128, K]). The partial rows and the fold follow the
+    take the tokens in this order where a token's partial rows are large
+    (``LENGTH_ORDER_MIN_BYTES``): in token order a short chunk of random lengths waits for
+    its longest tokens (H64 K2048: one token a program in a 132-token chunk, 0.79 of the
+    full-K time with lengths uniform in [128, K]). The partial rows and the fold follow the
     positions in this order, so the bits do not depend on the chunking (the order is a
     function of the lengths alone)."""
     return torch.argsort(topk_length.clamp(0, K), descending=True, stable=True).to(torch.int32)

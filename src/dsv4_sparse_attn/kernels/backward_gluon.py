@@ -1409,12 +1409,15 @@ def _programs(n_tiles: int, device, paired: bool) -> int:
     return grid
 
 
-def schedule(topk_length, chunk: int, H: int, paired: bool, tokens):
+def schedule(topk_length, chunk: int, H: int, paired: bool, tokens=None):
     """With lengths the tiles differ in work: int32 [P, 2], for each chunk of ``chunk``
-    positions of ``tokens`` (int32 [P]: position p holds token tokens[p]), the (position,
-    token) pairs in the order in which the chunk's programs take them
-    (``hopper.balanced_order`` of the positions' lengths), for all chunks of a call at once."""
+    positions of ``tokens`` (int32 [P]: position p holds token tokens[p]; default: token p
+    of topk_length's), the (position, token) pairs in the order in which the chunk's
+    programs take them (``hopper.balanced_order`` of the positions' lengths), for all
+    chunks of a call at once."""
     n_hb = triton.cdiv(H, BLOCK_H)
+    if tokens is None:
+        tokens = torch.arange(topk_length.shape[0], device=topk_length.device, dtype=torch.int32)
     P = tokens.shape[0]
     lengths = topk_length.index_select(0, tokens)
     order = balanced_order(lengths, chunk, _programs(chunk * n_hb, topk_length.device, paired), n_hb)
