@@ -1269,8 +1269,8 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     tile visits the 64-slot blocks that hold its token's slots. With it the chunk holds the
     tokens ``tokens`` (int32 [n_tok], its partial rows in that order; default those of
     [t_begin, t_begin + n_tok)), taken in ``order`` (this chunk's part of ``schedule``;
-    computed here when None). ``ablate
-    (measurement only; the gradients are then wrong): parts of a tile's work taken out,
+    computed here when None; it holds the tokens, so ``tokens`` is then not read).
+    ``ablate`` (measurement only; the gradients are then wrong): parts of a tile's work taken out,
     a sum of 1 (dQ stores), 2 (q/dO loads after a program's first tile, cp.async path),
     4 (lse/Delta loads: 0) and 8 (dKV reductions predicated off)
     (benchmarks/experiments/tile_ablation_bench.py). ``trace`` (measurement only): an int64
