@@ -6,7 +6,12 @@ a run), and in fixed point on a per-row grid ``2^(ceil(log2 U_r) - B)`` with B =
 ``red.add.u64`` a value) or B = 30 (one ``red.add.s32``), ``U_r`` the cheap bound of
 docs/performance/backward.md#exact-integer-sums-measured: ``n_r * max C_t`` over the row's
 entries, ``C_t = 2 H (max|dO_t| + scale max|q_t| (max||dO_t|| max||v|| + max|Delta_t|))``
-(the 2: rounding slack), with |P| <= 1.
+(the 2: rounding slack), with |P| <= 1. And exact fp32 sums: each piece rounded to a
+per-row grid ``2^(ceil(log2 U_r) - 22)`` (then fp32 adds are exact, in any order) from two
+tighter bounds, the slot's attention mass (``mass``) or S and dP (``tight``), in one fp32
+word (``f32grid``) or two (``f32grid2``: the residual on a finer grid), against the float64
+sum rounded to bf16 (``bf16_of_exact``): docs/performance/backward.md, "Exact fp32 sums on a
+per-row grid".
 
     PYTHONPATH=src:benchmarks/experiments python benchmarks/experiments/fixed_point_precision.py [T H K]
 
@@ -39,7 +44,19 @@ def pieces(q, kv, idx, sink, do, out, lse, scale):
     v = v * valid[..., None]
     bound_t = 2 * q.shape[1] * (do.abs().amax((1, 2)) + scale * q.abs().amax((1, 2)) * (
         do.norm(dim=-1).amax(1) * kv.norm(dim=-1).max() + delta.abs().amax(1)))
-    return v, torch.where(valid, idx.long(), -1), bound_t
+    # The mass bound: |piece_d| <= sum_h P_h (|dO_hd| + scale |dP_h - Delta_h| |q_hd|)
+    # <= m_tk (A_t + B_t ||v_r||), m_tk = sum_h P_thk (the slot's attention mass, which a
+    # pass over S gives), A_t = max_h (max|dO_th| + scale |Delta_th| max|q_th|),
+    # B_t = max_h scale ||dO_th|| max|q_th|.
+    mass = p.sum(1) * valid
+    qmax = q.abs().amax(-1)
+    a_t = (do.abs().amax(-1) + scale * delta.abs() * qmax).amax(1)
+    b_t = (scale * do.norm(dim=-1) * qmax).amax(1)
+    # The tight form (a pass over S and dP): w_tk = sum_h P_thk (max|dO_th| + scale
+    # |dP_thk - Delta_th| max|q_th|), the bound of every column of the piece.
+    dsm = (dp - delta[..., None]).abs()
+    tight = (p * (do.abs().amax(-1)[..., None] + scale * dsm * qmax[..., None])).sum(1)
+    return v, torch.where(valid, idx.long(), -1), bound_t, (mass, a_t, b_t, tight * valid)
 
 
 def main():
@@ -47,7 +64,7 @@ def main():
     D = 512
     q, kv, idx, sink, do, out, lse = inputs(T, H, K, D, dev="cpu")
     N = kv.shape[0]
-    v, ids, bound_t = pieces(q, kv, idx, sink, do, out, lse, D ** -0.5)
+    v, ids, bound_t, (mass, a_t, b_t, tight) = pieces(q, kv, idx, sink, do, out, lse, D ** -0.5)
     v32 = v.float().double()  # the kernel's fp32 piece
     flat_ids = ids.reshape(-1)
     keep = flat_ids >= 0
@@ -85,6 +102,37 @@ def main():
         if B == 30:  # one 32-bit word: the final sum must be in range (the bound says it is)
             assert bool((acc.abs() < 2**31).all())
         report(name, acc.double() * grid[:, None])
+    # fp32 on a per-row grid from the mass bound: every piece rounded to a multiple of
+    # g_r = 2^(ceil(log2 U_r) - 22), U_r = sum over the row's entries of
+    # 2 m_tk (A_t + B_t ||v_r||) (2: slack for a mass summed from bf16 S), so every partial
+    # sum of rounded pieces stays within 2^24 g_r: fp32 adds are then exact, and any order
+    # (the fast mode's 16-byte reductions) gives the same bits.
+    vnorm = kv.double().norm(dim=-1)
+    for name, w in (("mass", 2 * mass * (a_t[:, None] + b_t[:, None] * vnorm[ids.clamp_min(0)])),
+                    ("tight", 2 * tight)):
+        u_m = torch.zeros(N, dtype=torch.float64).index_add_(0, rows, w.reshape(-1)[keep])
+        assert bool((mag[used] <= u_m[used, None]).all()), f"the {name} bound does not hold"
+        loose_m = (u_m[used] / mag[used].amax(1).clamp_min(1e-300)).log2()
+        res[name + "_bound_looseness_log2_median"] = round(loose_m.median().item(), 1)
+        res[name + "_bound_looseness_log2_max"] = round(loose_m.max().item(), 1)
+        grid = torch.exp2(torch.ceil(torch.log2(u_m.clamp_min(1e-300))) - 22)
+        rounded = (torch.round(vals / grid[rows, None]) * grid[rows, None]).float()
+        assert bool((rounded.double() == torch.round(vals / grid[rows, None]) * grid[rows, None]).all())
+        one = torch.zeros(N, D, dtype=torch.float32).index_add_(0, rows, rounded)
+        two = torch.zeros(N, D, dtype=torch.float32).index_add_(0, rows[perm], rounded[perm])
+        res[name + "_f32grid_orders_bitwise_equal"] = bool(torch.equal(one, two))
+        report(name + "_f32grid", one.double())
+        # two fp32 words a value: the residual of the rounding (exact in fp32) on a finer
+        # grid from its own bound, n_r g_r / 2 (with the same factor 2 of slack)
+        resid = (vals - rounded.double()).float()
+        g_lo = torch.exp2(torch.ceil(torch.log2((n_r * grid).clamp_min(1e-300))) - 22)
+        lo = (torch.round(resid.double() / g_lo[rows, None]) * g_lo[rows, None]).float()
+        lo_sum = torch.zeros(N, D, dtype=torch.float32).index_add_(0, rows[perm], lo[perm])
+        lo_one = torch.zeros(N, D, dtype=torch.float32).index_add_(0, rows, lo)
+        res[name + "_f32grid2_orders_bitwise_equal"] = bool(torch.equal(lo_sum, lo_one))
+        report(name + "_f32grid2", one.double() + lo_one.double())
+    # what the output dtype costs anyway: the float64 sum rounded to bf16
+    report("bf16_of_exact", exact.bfloat16().double())
     print(json.dumps(res))
 
 
