@@ -60,52 +60,57 @@ def kernel_ms(fn):
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
 
 
-for name, H, K in (("d512", 64, 640), ("d512", 128, 1152), ("d512", 64, 2048), ("v32", 64, 2048)):
-    T = 4096
-    D = 576 if name == "v32" else 512
-    d_v = 512 if name == "v32" else None
-    q, kv, idx, sink = F.inputs(T, H, K, D)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    length = torch.randint(128, K + 1, (T,), device="cuda", generator=g, dtype=torch.int32)
-    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, None, length, d_v)
-    do, dl = torch.randn_like(out), torch.randn_like(lse)
+def main():
+    for name, H, K in (("d512", 64, 640), ("d512", 128, 1152), ("d512", 64, 2048), ("v32", 64, 2048)):
+        T = 4096
+        D = 576 if name == "v32" else 512
+        d_v = 512 if name == "v32" else None
+        q, kv, idx, sink = F.inputs(T, H, K, D)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        length = torch.randint(128, K + 1, (T,), device="cuda", generator=g, dtype=torch.int32)
+        out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, None, length, d_v)
+        do, dl = torch.randn_like(out), torch.randn_like(lse)
 
-    def bwd(lengths=length):
-        return torch.ops.dsv4.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, None, lengths, d_v)
+        def bwd(lengths=length):
+            return torch.ops.dsv4.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, None, lengths, d_v)
 
-    with F.backward_mode(True):
-        full_det = bench(lambda: bwd(None))
-    grads = {}
-    arms = (("length", shipped), ("token", token_order))
-    for rep in range(2):
-        for arm, fn in arms if rep == 0 else arms[::-1]:
-            backward.length_order = fn
-            row = dict(layout=name, H=H, K=K, rep=rep, arm=arm, full_det_ms=full_det)
-            for mode, det in (("fast", False), ("det", True)):
-                with F.backward_mode(det):
-                    row[f"{mode}_ms"] = bench(bwd)
-            with F.backward_mode(True):
-                row["det_kernels_ms"] = kernel_ms(bwd)
-                row["det_host_ms"] = host_ms(bwd)
-                a, b = bwd(), bwd()
-            row["det_bitwise"] = all(torch.equal(x, y) for x, y in zip(a, b))
-            grads[arm] = a
-            row["det_ratio"] = row["det_ms"] / full_det
-            if len(grads) == 2:
-                dkv = (grads["length"][1].float() - grads["token"][1].float()).abs().max()
-                row["dkv_diff_rel"] = (dkv / grads["token"][1].float().abs().max()).item()
-            print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}),
-                  flush=True)
-    backward.length_order = shipped
-    if os.environ.get("PROFILE_HOST") and name == "d512" and K == 2048:
-        # where the host's time per call goes (the deterministic mode, 32 chunks)
         with F.backward_mode(True):
-            bwd()
-            torch.cuda.synchronize()
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(10):
+            full_det = bench(lambda: bwd(None))
+        grads = {}
+        arms = (("length", shipped), ("token", token_order))
+        for rep in range(2):
+            for arm, fn in arms if rep == 0 else arms[::-1]:
+                backward.length_order = fn
+                row = dict(layout=name, H=H, K=K, rep=rep, arm=arm, full_det_ms=full_det)
+                for mode, det in (("fast", False), ("det", True)):
+                    with F.backward_mode(det):
+                        row[f"{mode}_ms"] = bench(bwd)
+                with F.backward_mode(True):
+                    row["det_kernels_ms"] = kernel_ms(bwd)
+                    row["det_host_ms"] = host_ms(bwd)
+                    a, b = bwd(), bwd()
+                row["det_bitwise"] = all(torch.equal(x, y) for x, y in zip(a, b))
+                grads[arm] = a
+                row["det_ratio"] = row["det_ms"] / full_det
+                if len(grads) == 2:
+                    dkv = (grads["length"][1].float() - grads["token"][1].float()).abs().max()
+                    row["dkv_diff_rel"] = (dkv / grads["token"][1].float().abs().max()).item()
+                print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}),
+                      flush=True)
+        backward.length_order = shipped
+        if os.environ.get("PROFILE_HOST") and name == "d512" and K == 2048:
+            # where the host's time per call goes (the deterministic mode, 32 chunks)
+            with F.backward_mode(True):
                 bwd()
-            prof.disable()
-            torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+                torch.cuda.synchronize()
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(10):
+                    bwd()
+                prof.disable()
+                torch.cuda.synchronize()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
