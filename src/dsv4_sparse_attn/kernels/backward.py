@@ -304,6 +304,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     if topk_length is not None:
         main_options = dict(main_options, topk_length=topk_length)
     orders = None  # a main kernel with a ``schedule`` orders each chunk's tokens by length
+    if getattr(main, "LAUNCH_CACHE", False):  # what its launches share over the call's chunks
+        main_options = dict(main_options, cache={})
 
     def launch(p_begin, n_tok, partial, flags):
         # (positions [p_begin, p_begin + n_tok) of ``tokens``, or those tokens without lengths)

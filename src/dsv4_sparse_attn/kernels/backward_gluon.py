@@ -1258,10 +1258,13 @@ def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
     return 3 if _TRITON_39 else 2
 
 
+LAUNCH_CACHE = True  # ``launch`` takes ``cache``
+
+
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, tokens=None, lines=None, order=None, evict_last=None,
            split=None, qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None, head_pad=None,
-           transposed=None):
+           transposed=None, cache=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -1276,7 +1279,10 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     (benchmarks/experiments/tile_ablation_bench.py). ``trace`` (measurement only): an int64
     tensor of ``trace_shape(n_tok, H, device, paired)`` that takes each tile's timeline, the
     SM's cycle counter at the events of ``TRACE_EVENTS`` (benchmarks/experiments/tile_timeline.py).
-    ``head_pad``: the heads the dKV products contract over (16, 32 or 64; ``_head_pad``)."""
+    ``head_pad``: the heads the dKV products contract over (16, 32 or 64; ``_head_pad``).
+    ``cache``: a dict kept over the chunks of one call (empty at the first): the launch's
+    TMA descriptors and rope scratch are made once a call, not once a chunk (host time: a
+    call at K = 2048 is 32 chunks)."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
@@ -1289,8 +1295,13 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
             tokens = torch.arange(t_begin, t_begin + n_tok, device=q.device, dtype=torch.int32)
         order = schedule(topk_length, n_tok, H, paired, tokens)
     rope = D - grad_out.shape[-1]
-    # the programs' dQ scratch for the rope columns (zeros; the kernel leaves it zero)
-    dqr = torch.zeros((grid, BLOCK_H, rope), dtype=torch.float32, device=q.device) if rope else acc
+    cache = {} if cache is None else cache
+    # the programs' dQ scratch for the rope columns (zeros; the kernel leaves it zero, so the
+    # chunks of a call share it: the first chunk has the most programs)
+    dqr = cache.get("dqr")
+    if dqr is None or dqr.shape[0] < grid:
+        dqr = torch.zeros((grid, BLOCK_H, rope), dtype=torch.float32, device=q.device) if rope else acc
+        cache["dqr"] = dqr
     sp = _split(partial is not None, split, n_hb, K) if rope == 0 else 0
     tma, early = _qd_loads(q, grad_out, rope, sp, K, qd_tma, qd_early)
     dq_want = int((DQ_TMA_ROPE if rope else DQ_TMA) if dq_tma is None else dq_tma)
@@ -1304,8 +1315,10 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     trans = _transposed(hp, sp, rope, partial is not None, transposed)
     if trans:
         early = 0
-    q_arg, do_arg = (_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out)
-    dq_arg = _qd_descriptor(grad_q) if dq_by_tma else grad_q
+    if "args" not in cache:  # (the same tensors and settings for every chunk of a call)
+        cache["args"] = ((_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out),
+                         _qd_descriptor(grad_q) if dq_by_tma else grad_q)
+    (q_arg, do_arg), dq_arg = cache["args"]
     if trace is not None:
         want = trace_shape(n_tok, H, q.device, paired)
         if tuple(trace.shape) != want or trace.dtype != torch.int64:
