@@ -24,7 +24,9 @@
 #                                          # folder: TRITON_NEXT_TAR=.t38)
 # bench and sweep write benchmarks/results/*.json; report.py then rewrites README.md's
 # performance section and docs/performance/bench.png. All three come back under $OUT
-# (results/, README.md, bench.png): copy them into the checkout and commit them.
+# (results/, README.md, bench.png): copy them into the checkout and commit them. The device tool
+# returns at most eight files a call: run bench and sweep in separate calls (together they write
+# nine, and the results JSON is what gets left out).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1

@@ -157,6 +157,33 @@ def test_fold_width_gives_the_same_bits_interpreted(monkeypatch, width):
     assert whole[1].abs().sum() > 0
 
 
+def test_launch_cache_is_shared_by_a_calls_chunks_only_interpreted(monkeypatch):
+    """A main kernel with ``LAUNCH_CACHE`` (the Gluon one: its TMA descriptors and scratch
+    made once a call) gets one cache dict for all the chunks of a call and a fresh one for
+    the next call: a cache kept over calls would hand the kernel descriptors of tensors
+    that are gone. The gradients are bitwise those of the launches without it."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
+    from dsv4_sparse_attn.kernels import backward_triton
+
+    run = _deterministic_backward(T=5, H=3, N=30, K=9, D=64, id_hi=31)
+    plain = run()
+    monkeypatch.setattr(kbwd, "PARTIAL_BYTES", 2 * backward_triton.partial_slots(9) * 64 * 4)  # 3 chunks
+    seen, launch = [], backward_triton.launch
+
+    def cached_launch(*args, cache, **kwargs):
+        seen.append(cache)
+        cache.setdefault("chunks", 0)
+        cache["chunks"] += 1
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(backward_triton, "LAUNCH_CACHE", True, raising=False)
+    monkeypatch.setattr(backward_triton, "launch", cached_launch)
+    first, second = run(), run()
+    assert len(seen) == 6 and all(c is seen[0] for c in seen[:3]) and all(c is seen[3] for c in seen[3:])
+    assert seen[0] is not seen[3] and seen[0]["chunks"] == 3 and seen[3]["chunks"] == 3
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(plain, first, second))
+
+
 @pytest.mark.parametrize("sort_entries", [1, 40, 10**6], ids=["chunk-a-sort", "chunks-2-a-sort", "one-sort"])
 @pytest.mark.parametrize("lengths", [False, True, "longest-first"], ids=["full", "lengths", "longest-first"])
 def test_chunked_deterministic_backward_gives_the_same_bits_interpreted(monkeypatch, sort_entries, lengths):
