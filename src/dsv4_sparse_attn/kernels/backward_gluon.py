@@ -1298,10 +1298,9 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     cache = {} if cache is None else cache
     # the programs' dQ scratch for the rope columns (zeros; the kernel leaves it zero, so the
     # chunks of a call share it: the first chunk has the most programs)
-    dqr = cache.get("dqr")
-    if dqr is None or dqr.shape[0] < grid:
-        dqr = torch.zeros((grid, BLOCK_H, rope), dtype=torch.float32, device=q.device) if rope else acc
-        cache["dqr"] = dqr
+    dqr = cache.get("dqr") if rope else acc
+    if rope and (dqr is None or dqr.shape[0] < grid):
+        dqr = cache["dqr"] = torch.zeros((grid, BLOCK_H, rope), dtype=torch.float32, device=q.device)
     sp = _split(partial is not None, split, n_hb, K) if rope == 0 else 0
     tma, early = _qd_loads(q, grad_out, rope, sp, K, qd_tma, qd_early)
     dq_want = int((DQ_TMA_ROPE if rope else DQ_TMA) if dq_tma is None else dq_tma)
