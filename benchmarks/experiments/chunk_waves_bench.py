@@ -9,12 +9,10 @@ Per shape and arm (each twice, the second time in the other order): the call's w
 (bench.py's timing), its kernels' GPU time (torch.profiler) and the host's time to enqueue
 it; T = 4096, with per-token lengths uniform in [128, K] and without.
 """
-import json
-
 import torch
 
 import features_bench as F
-from chunk_order_bench import host_ms, kernel_ms
+from chunk_order_bench import alternating, emit, host_ms, kernel_ms, lengths_case
 from dsv4_sparse_attn.kernels import backward
 
 shipped = backward.chunk_tokens
@@ -27,31 +25,22 @@ def unrounded(T, n_hb, K, D, budget, n_sm=0):
 def main():
     T = 4096
     for H, K in ((64, 2048), (64, 640), (128, 1152)):
-        q, kv, idx, sink = F.inputs(T, H, K, 512)
-        g = torch.Generator(device="cuda").manual_seed(1)
-        length = torch.randint(128, K + 1, (T,), device="cuda", generator=g, dtype=torch.int32)
-        out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, None, length)
-        do, dl = torch.randn_like(out), torch.randn_like(lse)
+        length, case = lengths_case(T, H, K)
         for lengths in (length, None):
             def bwd():
-                return torch.ops.dsv4.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, None, lengths)
+                return case(lengths)
             ref = None
-            arms = (("waves", shipped), ("budget", unrounded))
-            for rep in range(2):
-                for arm, fn in arms if rep == 0 else arms[::-1]:
-                    backward.chunk_tokens = fn
-                    with F.backward_mode(True):
-                        # (one partial row a token and slot: H <= 64, or the head-block pairs)
-                        chunk = fn(T, 1, K, 512, backward.PARTIAL_BYTES, 132)
-                        row = dict(H=H, K=K, lengths=lengths is not None, arm=arm, rep=rep, chunk=chunk,
-                                   wall_ms=F.bench(bwd, 25, 200), kernels_ms=kernel_ms(bwd),
-                                   host_ms=host_ms(bwd))
-                        got = bwd()
-                    if ref is None:
-                        ref = got
-                    row["bitwise_same"] = all(torch.equal(a, b) for a, b in zip(ref, got))
-                    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
-                          flush=True)
+            for rep, (arm, fn) in alternating((("waves", shipped), ("budget", unrounded)), 2):
+                backward.chunk_tokens = fn
+                with F.backward_mode(True):
+                    # (one partial row a token and slot: H <= 64, or the head-block pairs)
+                    chunk = fn(T, 1, K, 512, backward.PARTIAL_BYTES, 132)
+                    row = dict(H=H, K=K, lengths=lengths is not None, arm=arm, rep=rep, chunk=chunk,
+                               wall_ms=F.bench(bwd, 25, 200), kernels_ms=kernel_ms(bwd), host_ms=host_ms(bwd))
+                    got = bwd()
+                ref = got if ref is None else ref
+                row["bitwise_same"] = all(torch.equal(a, b) for a, b in zip(ref, got))
+                emit(row)
             backward.chunk_tokens = shipped
 
 
