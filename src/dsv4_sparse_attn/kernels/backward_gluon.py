@@ -245,13 +245,13 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
         pid_h = tile % n_hb
         k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN)
         if ABL & 16:
-            _stamp(TR, n_tiles, rank, tcount, _EV_P_TILE)
+            _stamp(TR, n_tiles, rank, tcount, _EV_P_TILE, ABL)
         # q and dO of this tile, once both consumers are done with the previous tile's
         # (a fresh mbarrier counts its phase "1" as complete: the first wait passes).
         if EARLY == 0:
             mbarrier.wait(bars.index(_QD_FREE), (tcount & 1) ^ 1)
         if ABL & 16:
-            _stamp(TR, n_tiles, rank, tcount, _EV_P_QD)
+            _stamp(TR, n_tiles, rank, tcount, _EV_P_QD, ABL)
         if QD_TMA:  # eight TMA tiles, counted in bytes on the barrier (heads past H: zeros)
             t32 = pid_t.to(gl.int32)  # (TMA coordinates are 32-bit)
             h32 = (pid_h * _BH).to(gl.int32)
@@ -305,9 +305,9 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
                 cp.mbarrier_arrive(bars.index(_KV_READY + half), increment_count=False)
             if ABL & 16:
                 if j == 0:
-                    _stamp(TR, n_tiles, rank, tcount, _EV_P_FIRST)
+                    _stamp(TR, n_tiles, rank, tcount, _EV_P_FIRST, ABL)
         if ABL & 16:
-            _stamp(TR, n_tiles, rank, tcount, _EV_P_LAST)
+            _stamp(TR, n_tiles, rank, tcount, _EV_P_LAST, ABL)
         tcount += 1
         bcount += nb_t
 
@@ -347,7 +347,7 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
         pid_h = tile % n_hb
         k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN)
         if ABL & 16:
-            _stamp(TR, n_tiles, rank, tcount, _EV_C_TILE + 4 * WG)
+            _stamp(TR, n_tiles, rank, tcount, _EV_C_TILE + 4 * WG, ABL)
         if TRANS:
             _consume_tile_split_t(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c,
                                   pid_t, tcount, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT, DQ_TMA,
@@ -361,7 +361,7 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
                           pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST,
                           DQ_TMA, ABL, HP)
         if ABL & 16:
-            _stamp(TR, n_tiles, rank, tcount, _EV_C_END + 4 * WG)
+            _stamp(TR, n_tiles, rank, tcount, _EV_C_END + 4 * WG, ABL)
         tcount += 1
         bcount += nb_t
 
@@ -544,11 +544,11 @@ def _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, ba
         if SPLIT > 0:
             _wait_last_block_read(bars, g0, nb_t, SPLIT)
         if ABL & 16:  # (the timeline: the last block's dKV pieces done, dQ not yet out)
-            _stamp(TR, n_tiles, rank, tcount, _EV_C_LOOP + 4 * WG)
+            _stamp(TR, n_tiles, rank, tcount, _EV_C_LOOP + 4 * WG, ABL)
         if (ABL & 1) == 0:  # (ablation 1: no dQ stores)
             _store_dq_tma(DQ, dq0, dq1, q_smem, pid_t, pid_h, WG)
     elif ABL & 16:
-        _stamp(TR, n_tiles, rank, tcount, _EV_C_LOOP + 4 * WG)
+        _stamp(TR, n_tiles, rank, tcount, _EV_C_LOOP + 4 * WG, ABL)
     mbarrier.arrive(bars.index(_QD_FREE))  # q and dO may be replaced by the next tile's
     if not DQ_TMA and (ABL & 1) == 0:  # (ablation 1: no dQ stores)
         _store_dq(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, WG)
@@ -600,7 +600,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
     if ABL & 16:
-        _stamp(TR, n_tiles, rank, tcount, _EV_C_QD + 4 * WG)
+        _stamp(TR, n_tiles, rank, tcount, _EV_C_QD + 4 * WG, ABL)
     for jj in range(0, nb_t):
         j = _opaque(jj)  # (as in _consume_tile: the loop carries only its counter)
         g = g0 + j
@@ -822,9 +822,10 @@ def _stage_dq_t(q_smem, quarter, col0: gl.constexpr, dqt, HP: gl.constexpr):
 
 
 @gluon.jit
-def _stamp(TR, n_tiles, rank, tcount, ev):
+def _stamp(TR, n_tiles, rank, tcount, ev, ABL: gl.constexpr):
     """(``ABL & 16``, measurement only) The SM's cycle counter at event ``ev`` of this
-    program's ``tcount``-th tile, into TR [programs, tiles a program, _N_EV] int64."""
+    program's ``tcount``-th tile, into TR [programs, tiles a program, _N_EV] int64; with
+    ``ABL & 32`` the GPU's global timer (ns, the same clock on every SM) instead."""
     # (the row in asm with side effects, so that each stamp forms its own address. A stamp
     # right after the split schedule's block loop made ptxas reload 38 values a loop, with
     # or without this: that event is stamped in _tile_dq_out, after dQ's wait for the last
@@ -832,8 +833,12 @@ def _stamp(TR, n_tiles, rank, tcount, ev):
     row = gl.inline_asm_elementwise(
         "{ .reg .u32 m; add.u32 m, $2, $3; sub.u32 m, m, 1; div.u32 m, m, $3; mad.lo.u32 $0, $1, m, $4; }",
         "=r,r,r,r,r", [rank, n_tiles, gl.num_programs(0), tcount], dtype=gl.int32, is_pure=False, pack=1)
-    t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [row], dtype=gl.int64, is_pure=False,
-                                  pack=1)
+    if ABL & 32:
+        t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [row], dtype=gl.int64,
+                                      is_pure=False, pack=1)
+    else:
+        t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [row], dtype=gl.int64,
+                                      is_pure=False, pack=1)
     gl.store(TR + row.to(gl.int64) * _N_EV + ev, t)
 
 
@@ -967,7 +972,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
 
     mbarrier.wait(bars.index(_QD_READY), tcount & 1)
     if ABL & 16:
-        _stamp(TR, n_tiles, rank, tcount, _EV_C_QD + 4 * WG)
+        _stamp(TR, n_tiles, rank, tcount, _EV_C_QD + 4 * WG, ABL)
     for jj in range(0, nb_t):
         # (j opaque: the loop carries only its counter. With j itself, Triton 3.9's LLVM
         # widened the counter to 64 bits and kept g, z and the ids offsets as loop-carried
@@ -1278,7 +1283,8 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     4 (lse/Delta loads: 0) and 8 (dKV reductions predicated off)
     (benchmarks/experiments/tile_ablation_bench.py). ``trace`` (measurement only): an int64
     tensor of ``trace_shape(n_tok, H, device, paired)`` that takes each tile's timeline, the
-    SM's cycle counter at the events of ``TRACE_EVENTS`` (benchmarks/experiments/tile_timeline.py).
+    SM's cycle counter at the events of ``TRACE_EVENTS`` (benchmarks/experiments/tile_timeline.py;
+    ``ablate`` 32 with it: the global timer in ns instead, benchmarks/experiments/clock_bench.py).
     ``head_pad``: the heads the dKV products contract over (16, 32 or 64; ``_head_pad``).
     ``cache``: a dict kept over the chunks of one call (empty at the first): the launch's
     TMA descriptors and rope scratch are made once a call, not once a chunk (host time: a
