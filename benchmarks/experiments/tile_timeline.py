@@ -10,8 +10,9 @@ landing to the next one's, into
     load    -> the next tile's q and dO landed (as the first consumer to see them finds)
 
 medians over every tile but each program's first and last, in units of 1,980 cycles
-(microseconds at 1.98 GHz; what clock the SMs run at in the backward is not settled:
-docs/performance/backward.md#where-the-backward-stands). ``per_block`` is the loop over the
+(microseconds at 1.98 GHz; the SMs run the fast backward at 1.77-1.80 GHz, so a unit is
+1.10-1.12 us: clock_bench.py,
+docs/performance/backward.md#the-clock-and-the-last-round-measured). ``per_block`` is the loop over the
 tile's blocks. The traced and the plain call are timed in the same process; the
 stamps are compiled out of the plain one (same PTX as without the option).
 
