@@ -12,6 +12,9 @@ SM), next to the main kernel's time from torch.profiler.
     idle_end_us    each program's last stamp before the latest one (quantiles, mean): the SMs
                    idle at the end, e.g. the programs with one tile fewer in the last round
     tiles          the fewest and most tiles a program takes
+    tile_busy_us   a tile's q/dO landing to both consumers' end (quantiles, every tile but a
+                   program's first), and last_tiles_busy_us the same for the last tiles of the
+                   eight programs that end last, which run while most SMs wait
 
     PYTHONPATH=src:benchmarks/experiments python benchmarks/experiments/clock_bench.py
 
@@ -56,7 +59,17 @@ def edges(tr: torch.Tensor, n_tiles: int) -> dict:
     last = torch.stack([tr[p, counts[p] - 1, ends].max() for p in range(grid)]).double()
     t0, t1 = start.min(), last.max()
     idle = (t1 - last) / 1e3
-    return {"span_us": round(float(t1 - t0) / 1e3, 1),
+    # a tile's busy time, q/dO landed to both consumers done, against that of the tiles the
+    # last programs run while most SMs wait (the kernel is bound by the L2, which they then
+    # share with fewer SMs)
+    qd = [EV["c0_qd"], EV["c1_qd"]]
+    busy = torch.stack([tr[p, i, ends].max() - tr[p, i, qd].min()
+                        for p in range(grid) for i in range(1, counts[p])])
+    order = torch.argsort(last, descending=True)[:8].tolist()
+    tail = [round(float(tr[p, counts[p] - 1, ends].max() - tr[p, counts[p] - 1, qd].min()) / 1e3, 1)
+            for p in order]
+    return {"tile_busy_us": quantiles((busy.double() / 1e3).tolist()), "last_tiles_busy_us": tail,
+            "span_us": round(float(t1 - t0) / 1e3, 1),
             "start_us": quantiles(((start - t0) / 1e3).tolist()) + [round(float(start.max() - t0) / 1e3, 2)],
             "idle_end_us": quantiles(idle.tolist()) + [round(float(idle.mean()), 2)],
             "tiles": [min(counts), max(counts)]}
