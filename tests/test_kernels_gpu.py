@@ -200,6 +200,32 @@ def test_gluon_backward_matches_reference(case, deterministic):
     check_backward(case, DEV, deterministic=deterministic, main=_gluon_bwd_or_skip(case.H))
 
 
+# More tiles than SMs with a remainder: the fast mode cuts the tiles past the last whole round
+# into parts of a few slot blocks (backward_gluon._remainder_parts)
+REMAINDER_CASES = [
+    Case(300, 64, 512, 700, 300, ids="deepseek"),
+    Case(140, 100, 512, 500, 200, ids="dup"),  # two head blocks, the second padded
+    Case(270, 64, 512, 400, 640, ids="extreme"),
+    Case(136, 64, 512, 300, 130, noncontig=True, sink=False),
+]
+
+
+@pytest.mark.parametrize("case", REMAINDER_CASES, ids=str)
+def test_gluon_backward_remainder_parts_match_reference(case):
+    """The fast mode with the remainder's tiles in parts: grad_q (poisoned with NaN before the
+    call), grad_kv and grad_sink against the float64 oracle, on shapes where the launch does
+    cut (on a GPU of fewer SMs some may not)."""
+    from dsv4_sparse_attn.kernels import backward_gluon as G
+
+    main = _gluon_bwd_or_skip(case.H)
+    n_tiles = case.T * -(-case.H // G.BLOCK_H)
+    grid = G._programs(n_tiles, torch.device(DEV), False)
+    n_full, n_parts = G._remainder_parts(n_tiles, grid, -(-case.K // G.BLOCK_K), True)
+    if n_parts == 1:
+        pytest.skip(f"{n_tiles} tiles on {grid} programs: no remainder to cut on this GPU")
+    check_backward(case, DEV, deterministic=False, main=main)
+
+
 @pytest.mark.parametrize("case", GLUON_BWD_CASES + [Case(64, 128, 512, 300, 256, ids="shared")], ids=str)
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
 @pytest.mark.parametrize("split", [0, 1, 2], ids=["off", "single", "double"])

@@ -373,3 +373,19 @@ def test_gluon_backward_v32_compiles_for_sm90(red, dq_tma):
     assert all(lp["REDG4"] == 40 for lp in r["mma_loops"]), r["mma_loops"]
     if not red:
         assert all(lp["STG"] == 72 for lp in r["mma_loops"]), r["mma_loops"]
+
+
+@pytest.mark.parametrize("split", [0, 2], ids=["unsplit", "double"])
+def test_gluon_backward_remainder_parts_compile_for_sm90(split):
+    """The fast mode's build with the remainder's tiles in parts (``PARTS``: a part's dQ in
+    fp32 through a run-time branch at the tile's end): the block loops as without (the same
+    wgmmas and reductions, no more reloads), no serialised wgmma, the shared memory within
+    a few bytes (16 more under 3.6)."""
+    base = compile_backward_gluon(red=True, split=split, dq_tma=True)
+    r = compile_backward_gluon(red=True, split=split, dq_tma=True, parts=True)
+    assert base["shared"] <= r["shared"] <= min(base["shared"] + 64, H200_SMEM_LIMIT), (r, base)
+    assert r["wgmma_serialized"] is False, r
+    assert len(r["mma_loops"]) == len(base["mma_loops"]), r["mma_loops"]
+    for lp, lb in zip(r["mma_loops"], base["mma_loops"]):
+        assert (lp["HGMMA"], lp["REDG4"]) == (lb["HGMMA"], lb["REDG4"]), (lp, lb)
+        assert lp["LDL"] <= lb["LDL"], (lp, lb)

@@ -230,3 +230,38 @@ def test_chunked_deterministic_backward_gives_the_same_bits_interpreted(monkeypa
         tol = TOL[FP]
         assert relerr(whole[0], rq) < tol["grad"] and relerr(whole[1], rkv) < tol["grad"]
         assert relerr(whole[2], rs) < tol["sink"]
+
+
+def test_remainder_parts_sum_in_order_interpreted():
+    """The fast mode's remainder tiles in parts (backward_gluon): how tiles are cut, and
+    _dq_parts_kernel's sum of each tile's fp32 dQ parts in part order (bitwise a sequential
+    fp32 sum), into grad_q's rows of that tile's token and head block only."""
+    from dsv4_sparse_attn.kernels import backward_gluon as G
+
+    assert G._remainder_parts(4096, 132, 10, True) == (4092, 10)  # 4 tiles x 10 one-block parts
+    assert G._remainder_parts(8192, 132, 18, True) == (8184, 9)  # 8 x 9 two-block parts
+    assert G._remainder_parts(300, 132, 5, True) == (264, 3)
+    assert G._remainder_parts(4092, 132, 10, True) == (4092, 1)  # whole rounds: nothing to cut
+    assert G._remainder_parts(1000, 132, 2, True) == (1000, 1)  # 76 left: under two a program
+    assert G._remainder_parts(100, 132, 10, True) == (100, 1)  # fewer tiles than programs
+    assert G._remainder_parts(4096, 132, 10, False) == (4096, 1)
+    T, H, D, n_hb, n_full, n_parts = 5, 100, 512, 2, 7, 3
+    r = T * n_hb - n_full
+    g = torch.Generator().manual_seed(0)
+    dqf = torch.randn(r * n_parts, 64, D, generator=g)
+    # (fp32 grad_q: the sums' bits themselves; the interpreter's bf16 conversion rounds
+    # otherwise than the GPU's)
+    dq = torch.full((T, H, D), float("nan"), dtype=torch.float32)
+    G._dq_parts_kernel[(r, 64)](dqf, dq, 0, n_full, n_parts, n_hb, H, dq.stride(0), dq.stride(1), D=D, BH=64)
+    want = torch.full_like(dq, float("nan"))
+    parts = dqf.view(r, n_parts, 64, D)
+    for i in range(r):
+        tile = n_full + i
+        t, hb = tile // n_hb, tile % n_hb
+        acc = torch.zeros(64, D)
+        for p in range(n_parts):
+            acc = acc + parts[i, p]
+        rows = min(64, H - 64 * hb)
+        want[t, 64 * hb:64 * hb + rows] = acc[:rows].to(dq.dtype)
+    assert torch.equal(dq.isnan(), want.isnan())
+    assert torch.equal(dq.nan_to_num(), want.nan_to_num())

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -125,6 +126,9 @@ DQ_TMA_ROPE = TRITON_VERSION == (3, 6)
 # Measured on the H200 under Triton 3.6: 2.5-6.5% less time in both modes, deterministic
 # gradients bitwise equal (docs/performance/backward.md#dkv-products-over-the-heads-a-tile-holds-kept).
 HEAD_PAD = True
+# The fast mode cuts the tiles past the last whole round of programs into parts of a few slot
+# blocks, one a program (launch(split_remainder=...); _remainder_parts).
+SPLIT_REMAINDER = True
 # The fast mode's tiles of H <= 32 heads in a split schedule with their products transposed
 # (``_consume_tile_split_t``: the heads as the wgmma's N; ``launch(transposed=...)``).
 # Measured on the H200 under Triton 3.6: 3.1-6.0% less time than with HEAD_PAD alone
@@ -226,7 +230,7 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
     # through warp_specialize's argument tuple reaches the partition as a plain value, and
     # the rope code below then fails to lower when ROPE is 0). QD_TMA: Q and DO are
     # [T, H, D] tensor descriptors with [1, 64, 128] blocks, not pointers.
-    Q, DO, KV, IDX, LEN, ORDER, TR = io
+    Q, DO, KV, IDX, LEN, ORDER, TR, UNITS = io
     H, N, K = sizes
     stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it = strides
     q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars = smem
@@ -237,13 +241,18 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
     ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     offs_rd = 4 * _QD + gl.arange(0, 64, layout=gl.SliceLayout(0, ld_r))
     offs_rr = gl.arange(0, _BK, layout=gl.SliceLayout(1, ld_r))
+    n_units, n_full, n_parts = UNITS
     n_hb = gl.cdiv(H, _BH)
     tcount = 0
     bcount = 0  # slot blocks gathered so far (the barriers' phases)
-    for tile in range(rank, n_tiles, gl.num_programs(0)):
+    for unit in range(rank, n_units, gl.num_programs(0)):
+        tile, b0, nb_u, prow = _unit(unit, n_full, n_parts, nb)
         _, pid_t = _chunk_tile(ORDER, t_begin, tile // n_hb, HAS_LEN)
         pid_h = tile % n_hb
         k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN)
+        if not HAS_LEN:  # (a remainder tile's part: slot blocks [b0, b0 + nb_u))
+            nb_t = nb_u
+            k_end = K - b0 * _BK
         if ABL & 16:
             _stamp(TR, n_tiles, rank, tcount, _EV_P_TILE, ABL)
         # q and dO of this tile, once both consumers are done with the previous tile's
@@ -281,7 +290,7 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
                            + offs_rd[None, :], mask=(hr < H)[:, None])
             cp.mbarrier_arrive(bars.index(_QD_READY), increment_count=False)
 
-        idx_row = IDX + pid_t * stride_it
+        idx_row = IDX + pid_t * stride_it + b0 * _BK
         ids = load_ids(idx_row, 0, k_end, offs_r)
         for j in range(0, nb_t):
             free_phase = ((g0 + j) & 1) ^ 1
@@ -313,6 +322,24 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
 
 
 @gluon.jit
+def _unit(unit, n_full, n_parts, nb):
+    """A program's unit of work: tile ``unit`` whole below ``n_full``; past it, part
+    ``(unit - n_full) % n_parts`` of remainder tile ``n_full + (unit - n_full) // n_parts``
+    (the tiles past the last whole round, cut by slot blocks so that the round's programs
+    share them). Returns (tile, its first slot block, its slot blocks, the part's row in the
+    dQ parts or -1)."""
+    v = gl.maximum(unit - n_full, 0)
+    part = v % n_parts
+    bp = gl.cdiv(nb, n_parts)
+    is_part = unit >= n_full
+    tile = gl.where(is_part, n_full + v // n_parts, unit)
+    b0 = gl.where(is_part, part * bp, 0)
+    nb_u = gl.where(is_part, gl.minimum(nb - part * bp, bp), nb)
+    prow = gl.where(is_part, v, -1)
+    return tile, b0, nb_u, prow
+
+
+@gluon.jit
 def _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN: gl.constexpr):
     """A tile's slot count, its 64-slot blocks and the blocks before it (the barriers'
     phases): K, ``nb`` and ``tcount * nb`` without lengths; with them, the token's length
@@ -326,40 +353,51 @@ def _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN: gl.constexpr):
     else:
         k_end = K
         nb_t = nb
-        g0 = tcount * nb
+        g0 = bcount  # (a remainder tile's parts have fewer blocks)
     return k_end, nb_t, g0
 
 
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr,
               EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr, DQ_TMA: gl.constexpr,
-              ABL: gl.constexpr, HP: gl.constexpr, TRANS: gl.constexpr):
-    io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired = args
+              ABL: gl.constexpr, HP: gl.constexpr, TRANS: gl.constexpr, PARTS: gl.constexpr):
+    io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired, units = args
     H, N, K = sizes
-    LEN = io[7]
-    ORDER = io[8]
-    TR = io[10]
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP = io
+    n_units = units[0]  # (and with PARTS: n_full, n_parts and DQF)
     n_hb = gl.cdiv(H, _BH)
     tcount = 0
     bcount = 0  # slot blocks consumed so far (the barriers' phases)
-    for tile in range(rank, n_tiles, gl.num_programs(0)):
+    for unit in range(rank, n_units, gl.num_programs(0)):
+        if PARTS:  # (PARTS: the launch cut the remainder's tiles; fast mode, no lengths)
+            tile, b0, nb_u, prow = _unit(unit, units[1], units[2], nb)
+            part = (units[3], prow)
+        else:
+            tile = unit
+            b0 = 0
+            nb_u = nb
+            part = (ACC, -1)
         pid_c, pid_t = _chunk_tile(ORDER, t_begin, tile // n_hb, HAS_LEN)
         pid_h = tile % n_hb
         k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN)
+        if PARTS:  # (a remainder tile's part: slot blocks [b0, b0 + nb_u), the ids row from b0)
+            nb_t = nb_u
+            k_end = K - b0 * _BK
+        io_u = (IDX + b0 * _BK, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, part)
         if ABL & 16:
             _stamp(TR, n_tiles, rank, tcount, _EV_C_TILE + 4 * WG, ABL)
         if TRANS:
-            _consume_tile_split_t(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c,
+            _consume_tile_split_t(io_u, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c,
                                   pid_t, tcount, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT, DQ_TMA,
                                   HP)
         elif SPLIT:
-            _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t,
+            _consume_tile_split(io_u, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t,
                                 pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT,
-                                EARLY, DQ_TMA, ABL, HP)
+                                EARLY, DQ_TMA, ABL, HP, PARTS)
         else:
-            _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t,
+            _consume_tile(io_u, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t,
                           pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST,
-                          DQ_TMA, ABL, HP)
+                          DQ_TMA, ABL, HP, PARTS)
         if ABL & 16:
             _stamp(TR, n_tiles, rank, tcount, _EV_C_END + 4 * WG, ABL)
         tcount += 1
@@ -533,10 +571,31 @@ def _wait_last_block_read(bars, g0, nb_t, SPLIT: gl.constexpr):
 @gluon.jit
 def _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, bars, g0, nb_t,
                  WG: gl.constexpr, SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr,
-                 TR, n_tiles, rank, tcount):
+                 TR, n_tiles, rank, tcount, PART, PARTS: gl.constexpr = False):
     """The end of consumer WG's tile in either schedule (``SPLIT`` 0: unsplit): its dQ half
     out (``DQ_TMA``: 0 plain stores, 1 through its q quarters by TMA)
-    and q and dO released to the producer (``_QD_FREE``)."""
+    and q and dO released to the producer (``_QD_FREE``). With ``PARTS``, ``PART`` = (DQF,
+    prow): a part of a remainder tile (prow >= 0) stores its dQ part in fp32 into DQF's row
+    block prow ([parts, 64, 512]), for _dq_parts_kernel to sum. (Without PARTS there is no
+    such branch: folded away, it failed to lower under Triton 3.6.)"""
+    if PARTS:
+        DQF, prow = PART
+        if prow >= 0:
+            mbarrier.arrive(bars.index(_QD_FREE))
+            _store_dq(DQF, dq0, dq1, _BH, prow, 0, _BH * 4 * _QD, 4 * _QD, WG)
+        else:
+            _tile_dq_whole(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, bars, g0, nb_t,
+                           WG, SPLIT, DQ_TMA, ABL, TR, n_tiles, rank, tcount)
+    else:
+        _tile_dq_whole(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, bars, g0, nb_t,
+                       WG, SPLIT, DQ_TMA, ABL, TR, n_tiles, rank, tcount)
+
+
+@gluon.jit
+def _tile_dq_whole(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, bars, g0, nb_t,
+                   WG: gl.constexpr, SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr,
+                   TR, n_tiles, rank, tcount):
+    """A whole tile's dQ half out and q and dO released (``_tile_dq_out``)."""
     if DQ_TMA == 1:
         # My q quarters: in the split schedules the last block's owner reads every quarter in
         # its dKV pieces, so wait until it has; unsplit, only my own pieces read them, and the
@@ -558,7 +617,8 @@ def _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, ba
 def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb,
                         tcount, paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr,
                         EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr,
-                        DQ_TMA: gl.constexpr, ABL: gl.constexpr, HP: gl.constexpr):
+                        DQ_TMA: gl.constexpr, ABL: gl.constexpr, HP: gl.constexpr,
+                        PARTS: gl.constexpr = False):
     """One (token, 64-head block) tile of consumer ``WG``, the block's roles split in time:
     the owner of block g (g % 2 == WG) computes S, dP, P and dS, both consumers add dS KV
     to their halves of dQ, and then the owner forms all of the block's dKV rows (8 pieces
@@ -580,7 +640,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     q and dO (``_QD_FREE_EARLY``) once its dKV pieces are done with them; the other consumer
     (and both, in a tile without blocks) releases them at the tile's end, where both
     release the rest (``_QD_FREE``) as without."""
-    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP = io
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, PART = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
     q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
@@ -664,7 +724,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     if EARLY > 0:  # (the last block's owner released the first quarters already)
         mbarrier.arrive(bars.index(_QD_FREE_EARLY), pred=(nb_t == 0) | ((g0 + nb_t - 1) % 2 != WG))
     _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, bars, g0, nb_t, WG,
-                 SPLIT, DQ_TMA, ABL, TR, n_tiles, rank, tcount)
+                 SPLIT, DQ_TMA, ABL, TR, n_tiles, rank, tcount, PART, PARTS)
 
 
 @gluon.jit
@@ -695,7 +755,7 @@ def _consume_tile_split_t(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end,
     in shared memory, dQ^T += KV^T dS^T ([64 columns, HP] pieces: four a consumer, its half
     of D) and the dKV rows P^T dO + dS^T Q (K = HP). The same barriers, roles and dKV
     pieces as ``_consume_tile_split``; one head block, so no head-block pairs."""
-    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP = io
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, PART = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
     q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
@@ -915,11 +975,11 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
 def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb, tcount,
                   paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr,
                   ROPE: gl.constexpr, EVICT_LAST: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr,
-                  HP: gl.constexpr):
+                  HP: gl.constexpr, PARTS: gl.constexpr = False):
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1): slot blocks 0..nb_t-1
     (the first of them the barriers' ``g0``-th), ids past slot ``k_end`` masked; ``nb``
     blocks per token in the partial-row buffer."""
-    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP = io
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, PART = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
     q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
@@ -1067,7 +1127,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
             gl.atomic_add(done_ptr, 1, sem="relaxed", scope="gpu")
 
     _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, bars, g0, nb_t, WG, 0,
-                 DQ_TMA, ABL, TR, n_tiles, rank, tcount)
+                 DQ_TMA, ABL, TR, n_tiles, rank, tcount, PART, PARTS)
     if ROPE > 0:  # my rope columns of dQ: taken from the scratch, which is left zero
         # (column c of the scratch row sits at fake_col(c); relaxed: the adds above are this
         # thread's own)
@@ -1085,13 +1145,14 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
 
 # Runtime integers (no recompile per T, N, H or K; as in the Triton main kernel), plus the
 # chunk's tile count and the pairing switch.
-_RUNTIME_INTS = ["H", "N", "K", "t_begin", "n_tiles", "paired", "stride_it", "stride_lt"]
+_RUNTIME_INTS = ["H", "N", "K", "t_begin", "n_tiles", "paired", "n_units", "n_full", "n_parts", "stride_it",
+                 "stride_lt"]
 
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_main_gluon_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP,
-    H, N, K, t_begin, n_tiles, paired,
+    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, DQF,
+    H, N, K, t_begin, n_tiles, paired, n_units, n_full, n_parts,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh,
     stride_lt, stride_gt, stride_gh,
     scale, scale_log2,
@@ -1107,6 +1168,7 @@ def _bwd_main_gluon_kernel(
     ABL: gl.constexpr = 0,
     HP: gl.constexpr = 64,
     TRANS: gl.constexpr = False,
+    PARTS: gl.constexpr = False,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
@@ -1117,6 +1179,8 @@ def _bwd_main_gluon_kernel(
     gl.static_assert(not DQ_TMA or (QD_EARLY == 0 and (ROPE == 0 or not SPLIT)),
                      "dQ by TMA: q's quarters not released early; with score-only columns, unsplit")
     gl.static_assert(DQ_TMA == 0 or DQ_TMA == 1, "dQ by TMA: 0 (plain stores) or 1 (through q's quarters)")
+    gl.static_assert(not PARTS or (RED != 0 and not HAS_LEN and ROPE == 0 and not TRANS),
+                     "the remainder's tiles in parts: the fast mode, no lengths, D = 512, untransposed")
     gl.static_assert(not TRANS or (HP < _BH and SPLIT > 0 and ROPE == 0 and QD_EARLY == 0 and ABL == 0),
                      "transposed small-head tiles: H <= 32, split schedules, D = 512, no early release")
     if QD_TMA:
@@ -1172,8 +1236,9 @@ def _bwd_main_gluon_kernel(
     c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP), sizes,
               (stride_it, stride_lt, stride_gt, stride_gh),
               (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars),
-              (scale, scale_log2), t_begin, n_tiles, nb, rank, paired)
-    p_args = ((Q, DO, KV, IDX, LEN, ORDER, TR), sizes,
+              (scale, scale_log2), t_begin, n_tiles, nb, rank, paired,
+              (n_units, n_full, n_parts, DQF) if PARTS else (n_units, ))
+    p_args = ((Q, DO, KV, IDX, LEN, ORDER, TR, (n_units, n_full, n_parts)), sizes,
               (stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it),
               (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars), t_begin, n_tiles, nb, rank, HAS_LEN, ABL)
     # The producer is the default partition (ptxas compiles it under MAXNREG; the
@@ -1181,37 +1246,37 @@ def _bwd_main_gluon_kernel(
     if ROPE > 0:
         gl.warp_specialize([(_producer_rope, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS)),
+                                         HP, TRANS, PARTS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS))],
+                                         HP, TRANS, PARTS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 2:
         gl.warp_specialize([(_producer_qd_early2, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL,
-                                         HP, TRANS)),
+                                         HP, TRANS, PARTS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL,
-                                         HP, TRANS))],
+                                         HP, TRANS, PARTS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 3:
         gl.warp_specialize([(_producer_qd_early3, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL,
-                                         HP, TRANS)),
+                                         HP, TRANS, PARTS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL,
-                                         HP, TRANS))],
+                                         HP, TRANS, PARTS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_TMA:
         gl.warp_specialize([(_producer_qd_tma, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS)),
+                                         HP, TRANS, PARTS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS))],
+                                         HP, TRANS, PARTS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     else:
         gl.warp_specialize([(_producer, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS)),
+                                         HP, TRANS, PARTS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS))],
+                                         HP, TRANS, PARTS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
@@ -1269,7 +1334,7 @@ LAUNCH_CACHE = True  # ``launch`` takes ``cache``
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, tokens=None, lines=None, order=None, evict_last=None,
            split=None, qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None, head_pad=None,
-           transposed=None, cache=None):
+           transposed=None, cache=None, split_remainder=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -1329,20 +1394,62 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         if tuple(trace.shape) != want or trace.dtype != torch.int64:
             raise ValueError(f"trace: int64 {want}, got {trace.dtype} {tuple(trace.shape)}")
         ablate = int(ablate) | 16
+    cut = SPLIT_REMAINDER if split_remainder is None else split_remainder
+    n_full, n_parts = _remainder_parts(n_tiles, grid, triton.cdiv(K, BLOCK_K),
+                                       cut and partial is None and topk_length is None and rope == 0
+                                       and not trans)
+    n_units = n_full + (n_tiles - n_full) * n_parts
+    dqf = (torch.empty((n_units - n_full, BLOCK_H, D), dtype=torch.float32, device=q.device)
+           if n_units > n_full else acc)
     _bwd_main_gluon_kernel[(grid,)](
         q_arg, kv, indices, do_arg, lse, delta, dq_arg, acc, partial if partial is not None else acc, flags,
         topk_length if topk_length is not None else indices, order if order is not None else indices, dqr,
-        trace if trace is not None else flags, grad_q,
-        H, N, K, t_begin, n_tiles, int(paired),
+        trace if trace is not None else flags, grad_q, dqf,
+        H, N, K, t_begin, n_tiles, int(paired), n_units, n_full, n_parts,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
         D=grad_out.shape[-1], RED=red_mode(partial is not None, lines), HAS_LEN=topk_length is not None,
         EVICT_LAST=_evict_last(N, D, q.device, evict_last) and partial is None,
         ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma, ABL=int(ablate),
-        HP=hp, TRANS=trans,
+        HP=hp, TRANS=trans, PARTS=n_units > n_full,
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
+    if n_units > n_full:  # the remainder tiles' dQ: their parts summed in order
+        _dq_parts_kernel[(n_tiles - n_full, BLOCK_H)](
+            dqf, grad_q, t_begin, n_full, n_parts, triton.cdiv(H, BLOCK_H), H, grad_q.stride(0),
+            grad_q.stride(1), D=D, BH=BLOCK_H, num_warps=4)
+
+
+def _remainder_parts(n_tiles: int, grid: int, nb: int, allowed: bool) -> tuple[int, int]:
+    """(tiles taken whole, parts a remainder tile is cut into): the tiles past the last whole
+    round of ``grid`` programs are cut by slot blocks into parts, one a program, so that the
+    programs of that round end together (a static round robin otherwise leaves
+    ``grid - n_tiles % grid`` programs idle for about a tile:
+    docs/performance/backward.md#the-clock-and-the-last-round-measured)."""
+    r = n_tiles % grid
+    if not allowed or r == 0 or n_tiles < grid or nb < 2 or grid // r < 2:
+        return n_tiles, 1
+    per = triton.cdiv(nb, min(nb, grid // r))  # slot blocks a part
+    return n_tiles - r, triton.cdiv(nb, per)
+
+
+@triton.jit
+def _dq_parts_kernel(DQF, DQ, t_begin, n_full, n_parts, n_hb, H, stride_gt, stride_gh, D: tl.constexpr,
+                     BH: tl.constexpr):
+    """Program (i, h): head h of remainder tile n_full + i, the sum of its parts' fp32 dQ rows
+    in part order (so the same bits whichever part finished first), into DQ's dtype."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    tile = n_full + i
+    head = (tile % n_hb) * BH + h
+    if head < H:
+        d = tl.arange(0, D)
+        acc = tl.zeros([D], dtype=tl.float32)
+        for p in range(0, n_parts):
+            acc += tl.load(DQF + ((i * n_parts + p) * BH + h).to(tl.int64) * D + d)
+        t = t_begin + tile // n_hb
+        tl.store(DQ + t.to(tl.int64) * stride_gt + head * stride_gh + d, acc.to(DQ.dtype.element_ty))
 
 
 def trace_shape(n_tok: int, H: int, device, paired: bool) -> tuple[int, int, int]:
