@@ -380,7 +380,12 @@ def test_gluon_backward_remainder_parts_compile_for_sm90(split):
     """The fast mode's build with the remainder's tiles in parts (``PARTS``: a part's dQ in
     fp32 through a run-time branch at the tile's end): the block loops as without (the same
     wgmmas and reductions, no more reloads), no serialised wgmma, the shared memory within
-    a few bytes (16 more under 3.6)."""
+    a few bytes (16 more under 3.6); under 3.9, whose fast mode runs the unsplit schedule,
+    one more reload in its loops (the split build, not run there, is not checked)."""
+    from dsv4_sparse_attn.kernels import backward_gluon
+
+    if split and not backward_gluon._split(False, None, 1, 1024):
+        pytest.skip("this Triton's fast mode runs the unsplit schedule")
     base = compile_backward_gluon(red=True, split=split, dq_tma=True)
     r = compile_backward_gluon(red=True, split=split, dq_tma=True, parts=True)
     assert base["shared"] <= r["shared"] <= min(base["shared"] + 64, H200_SMEM_LIMIT), (r, base)
@@ -388,4 +393,4 @@ def test_gluon_backward_remainder_parts_compile_for_sm90(split):
     assert len(r["mma_loops"]) == len(base["mma_loops"]), r["mma_loops"]
     for lp, lb in zip(r["mma_loops"], base["mma_loops"]):
         assert (lp["HGMMA"], lp["REDG4"]) == (lb["HGMMA"], lb["REDG4"]), (lp, lb)
-        assert lp["LDL"] <= lb["LDL"], (lp, lb)
+        assert lp["LDL"] <= lb["LDL"] + (1 if TRITON_VERSION >= (3, 9) else 0), (lp, lb)
