@@ -249,10 +249,7 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
         tile, b0, nb_u, prow = _unit(unit, n_full, n_parts, nb)
         _, pid_t = _chunk_tile(ORDER, t_begin, tile // n_hb, HAS_LEN)
         pid_h = tile % n_hb
-        k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN)
-        if not HAS_LEN:  # (a remainder tile's part: slot blocks [b0, b0 + nb_u))
-            nb_t = nb_u
-            k_end = K - b0 * _BK
+        k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, b0, nb_u, bcount, HAS_LEN)
         if ABL & 16:
             _stamp(TR, n_tiles, rank, tcount, _EV_P_TILE, ABL)
         # q and dO of this tile, once both consumers are done with the previous tile's
@@ -340,21 +337,20 @@ def _unit(unit, n_full, n_parts, nb):
 
 
 @gluon.jit
-def _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN: gl.constexpr):
-    """A tile's slot count, its 64-slot blocks and the blocks before it (the barriers'
-    phases): K, ``nb`` and ``tcount * nb`` without lengths; with them, the token's length
-    clamped to [0, K] and the running count ``bcount`` (tiles differ)."""
+def _tile_blocks(LEN, pid_t, K, b0, nb_u, bcount, HAS_LEN: gl.constexpr):
+    """A unit's slot bound, its 64-slot blocks and the blocks before it (the barriers'
+    phases, the running count ``bcount``: units differ). Without lengths the unit's blocks
+    [b0, b0 + nb_u) (a whole tile: 0 and all of them; ``_unit``), the bound counted from
+    its first slot; with them (no parts), the token's length clamped to [0, K]."""
     if HAS_LEN:
         # (.to: without lengths LEN is a dummy pointer, the ids, which may be int64; the
         # branch is still type-checked)
         k_end = gl.minimum(gl.maximum(gl.load(LEN + pid_t).to(gl.int32), 0), K)
         nb_t = gl.cdiv(k_end, _BK)
-        g0 = bcount
     else:
-        k_end = K
-        nb_t = nb
-        g0 = bcount  # (a remainder tile's parts have fewer blocks)
-    return k_end, nb_t, g0
+        k_end = K - b0 * _BK
+        nb_t = nb_u
+    return k_end, nb_t, bcount
 
 
 @gluon.jit
@@ -379,10 +375,8 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
             part = (ACC, -1)
         pid_c, pid_t = _chunk_tile(ORDER, t_begin, tile // n_hb, HAS_LEN)
         pid_h = tile % n_hb
-        k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, nb, tcount, bcount, HAS_LEN)
-        if PARTS:  # (a remainder tile's part: slot blocks [b0, b0 + nb_u), the ids row from b0)
-            nb_t = nb_u
-            k_end = K - b0 * _BK
+        k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, b0, nb_u, bcount, HAS_LEN)
+        # (a part's ids row from its first block)
         io_u = (IDX + b0 * _BK, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, part)
         if ABL & 16:
             _stamp(TR, n_tiles, rank, tcount, _EV_C_TILE + 4 * WG, ABL)
