@@ -92,6 +92,21 @@ def test_deterministic_fold_compiles_for_sm90(tile, D):
     assert r["shared"] == 0 and r["registers"] <= (128 if in_flight > 32 else 96) and r["spill_bytes"] <= 8, r
 
 
+@pytest.mark.parametrize("D", [512, 576])
+@pytest.mark.parametrize("unroll, warps", [(8, 4), (4, 4)])
+def test_deterministic_fold_by_entry_runs_compiles_for_sm90(unroll, warps, D):
+    """The fold cut by entries (``backward._dkv_fold_runs_kernel``, ``FOLD_RUNS_CONFIG``):
+    no shared memory, no spill, registers for its UNROLL partial rows and accumulator rows
+    in flight (2 x UNROLL x 512 / 128 fp32 a thread at D = 512, 4 warps)."""
+    from dsv4_sparse_attn.kernels import backward as B
+    from sm90_compile import compile_sm90
+
+    types = dict(PARTIAL="*fp32", ORDER="*i64", KEYS="*i32", SEG="*i64", ACC="*fp32")
+    r = compile_sm90(B._dkv_fold_runs_kernel, types, dict(D=D, BLOCK_D=1 << (D - 1).bit_length(), N_HB=1,
+                                                          UNROLL=unroll), warps, 1)
+    assert r["shared"] == 0 and r["spill_bytes"] == 0 and r["registers"] <= (128 if D == 512 else 192), r
+
+
 @pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])
 @pytest.mark.parametrize("has_sink", [True, False])
 def test_gluon_forward_d512_compiles_for_sm90(has_sink, has_len):

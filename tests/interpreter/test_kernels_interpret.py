@@ -107,9 +107,10 @@ def test_sink_gradient_kernel_interpreted():
     assert kbwd.sink_grad(sink, lse[:0], delta[:0]).eq(0).all()  # T = 0: zeros
 
 
-def _deterministic_backward(T, H, N, K, D, id_hi):
+def _deterministic_backward(T, H, N, K, D, id_hi, d_v=None):
     """A call of the deterministic backward (Triton main kernel) on fixed random fp16
-    inputs: ids in [-1, id_hi) with slot 1 a duplicate of slot 0, a sink, no grad_lse."""
+    inputs: ids in [-1, id_hi) with slot 1 a duplicate of slot 0, a sink, no grad_lse;
+    ``d_v``: values narrower than keys."""
     from dsv4_sparse_attn.kernels import backward as kbwd
     from dsv4_sparse_attn.kernels import backward_triton
     from dsv4_sparse_attn.kernels import forward_triton as kfwd
@@ -119,7 +120,7 @@ def _deterministic_backward(T, H, N, K, D, id_hi):
     idx = torch.randint(-1, id_hi, (T, K), dtype=torch.int32)
     idx[:, 1] = idx[:, 0]
     sink = torch.randn(H)
-    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, d_v=d_v)
     do = torch.randn_like(out)
     return lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
                                        main=backward_triton, deterministic=True)
@@ -139,6 +140,32 @@ def test_fold_tiles_give_the_same_bits_interpreted(monkeypatch, tile, H):
     many = run()
     assert all(torch.equal(a, b) for a, b in zip(one, many))
     assert torch.all(many[1][40:] == 0) and many[1][:40].abs().sum() > 0
+
+
+@pytest.mark.parametrize("config, H, D, chunks", [((8, 4, 2), 3, 64, 1), ((4, 4, 3), 70, 64, 1),
+                                                  ((8, 4, 1), 3, 64, 3), ((8, 4, 5), 2, 576, 2)])
+def test_fold_by_entry_runs_gives_the_same_bits_interpreted(monkeypatch, config, H, D, chunks):
+    """The fold cut by entries (``FOLD_RUNS``: runs of the sorted entries, each moved to a row
+    start, UNROLL entries a step across row boundaries) against the fold by kv rows: the
+    same gradients bit for bit, with rows of many and of one entry, duplicated and masked
+    ids, two head-block parts (H = 70), chunks that continue each other's sums, runs more
+    than the entries (2 programs for 1 SM's worth, here grids of 2-5 programs on 1 "SM"),
+    D = 576 (masked past 576); rows no token selects stay zero."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
+    from dsv4_sparse_attn.kernels import backward_triton
+
+    run = _deterministic_backward(T=5, H=H, N=100, K=7, D=D, id_hi=40,  # rows 40..99 untouched
+                                  d_v=512 if D == 576 else None)
+    if chunks > 1:  # (partial rows for 5 // chunks + 1 tokens: several chunks, one fold each)
+        monkeypatch.setattr(kbwd, "PARTIAL_BYTES",
+                            (5 // chunks + 1) * -(-H // 64) * backward_triton.partial_slots(7) * D * 4)
+    monkeypatch.setattr(kbwd, "FOLD_RUNS", False)
+    rows = run()
+    monkeypatch.setattr(kbwd, "FOLD_RUNS", True)
+    monkeypatch.setattr(kbwd, "FOLD_RUNS_CONFIG", config)
+    runs = run()
+    assert all(torch.equal(a, b) for a, b in zip(rows, runs))
+    assert torch.all(runs[1][40:] == 0) and runs[1][:40].abs().sum() > 0
 
 
 @pytest.mark.parametrize("width", [256, 128])

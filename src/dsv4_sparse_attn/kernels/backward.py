@@ -67,6 +67,12 @@ FOLD_BLOCK_D = 512
 FOLD_BLOCK_D_MASKED = 1024
 FOLD_BLOCK_D_MASKED_TILE = 256
 
+# The fold cut by entries (``_dkv_fold_runs_kernel``) instead of by kv rows: None = where
+# ``fold_runs`` takes it, True / False = always / never (off until measured:
+# benchmarks/experiments/fold_runs_bench.py). Its (entries a step, warps, programs an SM).
+FOLD_RUNS = False
+FOLD_RUNS_CONFIG = (8, 4, 8)
+
 
 @triton.jit(do_not_specialize=["t_lo", "n_tok", "K", "stride_t", "N", "n"])
 def _sort_keys_kernel(IDX, LEN, TOK, KEYS, t_lo, n_tok, K, stride_t, N, n,
@@ -189,6 +195,106 @@ def _dkv_reduce_kernel(
         tl.store(acc_ptr, acc, mask=live)
 
 
+@triton.jit(do_not_specialize=["K", "k_stride", "N"])
+def _dkv_fold_runs_kernel(
+    PARTIAL, ORDER, KEYS, SEG, ACC, K, k_stride, N,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, UNROLL: tl.constexpr,
+):
+    """``_dkv_reduce_kernel``'s fold (the same adds in the same order: the same bits), with
+    the work cut by entries instead of by kv rows: the chunk's sorted entries (``KEYS``, the
+    sorted kv rows; ``ORDER``, their positions) are split into equal runs, one a program,
+    each run moved to the first row that starts in it, so a program folds whole rows, the
+    rows whose first entry lies in its run. Its entries are contiguous, so UNROLL of them
+    (and the accumulator rows of the rows that start among them) are loaded before any is
+    added, across row boundaries; no program is scheduled for the rows without entries (at
+    long contexts most of the N rows get none from a chunk).
+    """
+    p = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    n_valid = tl.load(SEG + N)  # entries that add something (the others are keyed N, last)
+    per = (n_valid + n_prog - 1) // n_prog
+    e_lo = _run_start(KEYS, SEG, p * per, n_valid)
+    e_hi = _run_start(KEYS, SEG, (p + 1) * per, n_valid)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    cur = tl.full([], -1, tl.int64)  # the row being folded (-1: none yet)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for e0 in range(e_lo, e_hi, UNROLL):
+        # loads first (straight-line code, all in flight at once): the entries' rows and
+        # positions, their partial rows, the accumulator row of each entry that starts a row
+        r0, x0, s0, a0 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0, e_hi, cur, K, k_stride, offs_d, d_ok,
+                                    N_HB, D)
+        r1, x1, s1, a1 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 1, e_hi, r0, K, k_stride, offs_d, d_ok,
+                                    N_HB, D)
+        r2, x2, s2, a2 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 2, e_hi, r1, K, k_stride, offs_d, d_ok,
+                                    N_HB, D)
+        r3, x3, s3, a3 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 3, e_hi, r2, K, k_stride, offs_d, d_ok,
+                                    N_HB, D)
+        if UNROLL == 8:
+            r4, x4, s4, a4 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 4, e_hi, r3, K, k_stride,
+                                        offs_d, d_ok, N_HB, D)
+            r5, x5, s5, a5 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 5, e_hi, r4, K, k_stride,
+                                        offs_d, d_ok, N_HB, D)
+            r6, x6, s6, a6 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 6, e_hi, r5, K, k_stride,
+                                        offs_d, d_ok, N_HB, D)
+            r7, x7, s7, a7 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 7, e_hi, r6, K, k_stride,
+                                        offs_d, d_ok, N_HB, D)
+        # then the adds in entry order, each row's sum stored when the next row starts
+        acc, cur = _run_add(ACC, acc, cur, r0, x0, s0, a0, offs_d, d_ok, D)
+        acc, cur = _run_add(ACC, acc, cur, r1, x1, s1, a1, offs_d, d_ok, D)
+        acc, cur = _run_add(ACC, acc, cur, r2, x2, s2, a2, offs_d, d_ok, D)
+        acc, cur = _run_add(ACC, acc, cur, r3, x3, s3, a3, offs_d, d_ok, D)
+        if UNROLL == 8:
+            acc, cur = _run_add(ACC, acc, cur, r4, x4, s4, a4, offs_d, d_ok, D)
+            acc, cur = _run_add(ACC, acc, cur, r5, x5, s5, a5, offs_d, d_ok, D)
+            acc, cur = _run_add(ACC, acc, cur, r6, x6, s6, a6, offs_d, d_ok, D)
+            acc, cur = _run_add(ACC, acc, cur, r7, x7, s7, a7, offs_d, d_ok, D)
+    tl.store(ACC + cur * D + offs_d, acc, mask=(cur >= 0) & d_ok)
+
+
+@triton.jit
+def _run_entry(PARTIAL, ORDER, KEYS, ACC, e, e_hi, prev, K, k_stride, offs_d, d_ok, N_HB: tl.constexpr,
+               D: tl.constexpr):
+    """Entry ``e`` of a run: (its kv row, -1 past the run; its partial row, head-block parts
+    added in order, 0 past the run; whether it starts a row, i.e. follows an entry of
+    another row ``prev``; that row's accumulator where it does, else 0)."""
+    ok = e < e_hi
+    r = tl.load(KEYS + e, mask=ok, other=-1).to(tl.int64)
+    entry = tl.load(ORDER + e, mask=ok, other=0)
+    tok = entry // K
+    slot = entry - tok * K
+    base = PARTIAL + ((tok * N_HB) * k_stride + slot) * D
+    m = ok & d_ok
+    x = tl.load(base + offs_d, mask=m, other=0.0)
+    for hb in tl.static_range(1, N_HB):
+        x += tl.load(base + hb * k_stride * D + offs_d, mask=m, other=0.0)
+    st = ok & (r != prev)
+    a = tl.load(ACC + r * D + offs_d, mask=st & d_ok, other=0.0)
+    return r, x, st, a
+
+
+@triton.jit
+def _run_add(ACC, acc, cur, r, x, st, a, offs_d, d_ok, D: tl.constexpr):
+    """One entry of a run added: where it starts a row, the previous row's sum is stored
+    and the sum continues from the new row's accumulator (an entry past the run, r = -1 and
+    st false, adds nothing)."""
+    tl.store(ACC + cur * D + offs_d, acc, mask=st & (cur >= 0) & d_ok)
+    acc = tl.where(st, a, acc)
+    cur = tl.where(st, r, cur)
+    acc = tl.where(r >= 0, acc + x, acc)
+    return acc, cur
+
+
+@triton.jit
+def _run_start(KEYS, SEG, e, n_valid):
+    """The first entry at or after ``e`` that starts a kv row (n_valid if none)."""
+    e = tl.minimum(e, n_valid)
+    r = tl.load(KEYS + e, mask=e < n_valid, other=0).to(tl.int64)
+    s = tl.load(SEG + r, mask=e < n_valid, other=0)
+    nxt = tl.load(SEG + r + 1, mask=e < n_valid, other=0)
+    return tl.where(e >= n_valid, n_valid, tl.where(s == e, e, nxt))
+
+
 @triton.jit(do_not_specialize=["T"])
 def _sink_grad_kernel(SINK, LSE, DELTA, PART, T, H, stride_lt,
                       SEG_T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -250,6 +356,15 @@ def fold_tile(N: int, n_sm: int) -> tuple[int, int, int]:
     if n_sm <= 0 or N <= n_sm * 512:
         return 1, 8, 4
     return 4, 4, 4
+
+
+def fold_runs(N: int, n_sm: int) -> bool:
+    """Whether the deterministic fold is cut by entries (``_dkv_fold_runs_kernel``) rather
+    than by kv rows: ``FOLD_RUNS`` where set, else where ``fold_tile`` would take several
+    rows a program (long contexts: most rows without entries in a chunk)."""
+    if FOLD_RUNS is not None:
+        return bool(FOLD_RUNS)
+    return fold_tile(N, n_sm)[0] > 1
 
 
 def chunk_tokens(T: int, n_hb: int, K: int, D: int, budget: int, n_sm: int = 0) -> int:
@@ -343,6 +458,9 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         lengths = topk_length if topk_length is not None else indices
         rows_per_program, unroll, fold_warps = fold_tile(N, n_sm)
         block_d = fold_block_d(D, rows_per_program)
+        runs = fold_runs(N, n_sm)
+        runs_unroll, runs_warps, runs_per_sm = FOLD_RUNS_CONFIG
+        runs_grid = max(1, n_sm) * runs_per_sm
         for c0 in range(0, n_chunks, group):
             g = min(group, n_chunks - c0)
             # Invert these chunks' ids: each chunk's entries sorted by kv row (stable: a
@@ -363,6 +481,11 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                 t0 = t_lo + c * chunk
                 n_tok = min(chunk, T - t0)
                 launch(t0, n_tok, partial, flags[c] if flags is not None else None)
+                if runs:
+                    _dkv_fold_runs_kernel[(runs_grid,)](
+                        partial, order[c], sorted_ids[c], seg[c], acc, K, k_stride, N,
+                        D=D, BLOCK_D=next_pow2(D), N_HB=n_part, UNROLL=runs_unroll, num_warps=runs_warps)
+                    continue
                 _dkv_reduce_kernel[(triton.cdiv(N, rows_per_program), triton.cdiv(D, block_d))](
                     partial, order[c], seg[c], acc, K, k_stride, N,
                     D=D, BLOCK_D=block_d, N_HB=n_part, MASK_D=D % block_d != 0, ROWS=rows_per_program,
