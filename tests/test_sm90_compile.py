@@ -93,8 +93,8 @@ def test_deterministic_fold_compiles_for_sm90(tile, D):
 
 
 @pytest.mark.parametrize("D", [512, 576])
-@pytest.mark.parametrize("unroll, warps", [(8, 4), (4, 4)])
-def test_deterministic_fold_by_entry_runs_compiles_for_sm90(unroll, warps, D):
+@pytest.mark.parametrize("unroll, warps, preload", [(8, 4, True), (4, 4, True), (4, 4, False)])
+def test_deterministic_fold_by_entry_runs_compiles_for_sm90(unroll, warps, preload, D):
     """The fold cut by entries (``backward._dkv_fold_runs_kernel``, ``FOLD_RUNS_CONFIG``):
     no shared memory, no spill, registers for its UNROLL partial rows and accumulator rows
     in flight (2 x UNROLL x 512 / 128 fp32 a thread at D = 512, 4 warps)."""
@@ -103,7 +103,7 @@ def test_deterministic_fold_by_entry_runs_compiles_for_sm90(unroll, warps, D):
 
     types = dict(PARTIAL="*fp32", ORDER="*i64", KEYS="*i32", SEG="*i64", ACC="*fp32")
     r = compile_sm90(B._dkv_fold_runs_kernel, types, dict(D=D, BLOCK_D=1 << (D - 1).bit_length(), N_HB=1,
-                                                          UNROLL=unroll), warps, 1)
+                                                          UNROLL=unroll, PRELOAD=preload), warps, 1)
     assert r["shared"] == 0 and r["spill_bytes"] == 0 and r["registers"] <= (128 if D == 512 else 192), r
 
 

@@ -28,8 +28,12 @@ from side_by_side import bench, inputs
 
 ROWS = [(4096, 64, 640, "distinct"), (4096, 128, 1152, "distinct"), (32768, 64, 640, "distinct"),
         (131072, 64, 640, "causal"), (131072, 128, 1152, "causal")]
-ARMS = [("rows", False, None), ("runs_8_4_8", True, (8, 4, 8)), ("runs_8_4_4", True, (8, 4, 4)),
-        ("runs_4_4_8", True, (4, 4, 8))]
+# RUNS_ROWS="3,4": rows of ROWS; RUNS_CONFIGS="4,4,8,1 4,4,16,0": FOLD_RUNS_CONFIGs to time
+# (entries a step, warps, programs an SM, accumulator rows preloaded)
+ROWS = [ROWS[int(i)] for i in os.environ.get("RUNS_ROWS", "0,1,2,3,4").split(",")]
+CONFIGS = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
+    "RUNS_CONFIGS", "8,4,8,1 8,4,4,1 4,4,8,1").split()]
+ARMS = [("rows", False, None)] + [("runs_" + "_".join(map(str, c)), True, c[:3] + (bool(c[3]),)) for c in CONFIGS]
 
 
 def run(args, runs, config):

@@ -142,8 +142,8 @@ def test_fold_tiles_give_the_same_bits_interpreted(monkeypatch, tile, H):
     assert torch.all(many[1][40:] == 0) and many[1][:40].abs().sum() > 0
 
 
-@pytest.mark.parametrize("config, H, D, chunks", [((8, 4, 2), 3, 64, 1), ((4, 4, 3), 70, 64, 1),
-                                                  ((8, 4, 1), 3, 64, 3), ((8, 4, 5), 2, 576, 2)])
+@pytest.mark.parametrize("config, H, D, chunks", [((8, 4, 2, True), 3, 64, 1), ((4, 4, 3, False), 70, 64, 1),
+                                                  ((8, 4, 1, False), 3, 64, 3), ((8, 4, 5, True), 2, 576, 2)])
 def test_fold_by_entry_runs_gives_the_same_bits_interpreted(monkeypatch, config, H, D, chunks):
     """The fold cut by entries (``FOLD_RUNS``: runs of the sorted entries, each moved to a row
     start, UNROLL entries a step across row boundaries) against the fold by kv rows: the

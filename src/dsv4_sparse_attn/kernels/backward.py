@@ -69,9 +69,10 @@ FOLD_BLOCK_D_MASKED_TILE = 256
 
 # The fold cut by entries (``_dkv_fold_runs_kernel``) instead of by kv rows: None = where
 # ``fold_runs`` takes it, True / False = always / never (off until measured:
-# benchmarks/experiments/fold_runs_bench.py). Its (entries a step, warps, programs an SM).
+# benchmarks/experiments/fold_runs_bench.py). Its (entries a step, warps, programs an SM,
+# accumulator rows loaded with the entries rather than when their row starts).
 FOLD_RUNS = False
-FOLD_RUNS_CONFIG = (8, 4, 8)
+FOLD_RUNS_CONFIG = (4, 4, 8, True)
 
 
 @triton.jit(do_not_specialize=["t_lo", "n_tok", "K", "stride_t", "N", "n"])
@@ -199,6 +200,7 @@ def _dkv_reduce_kernel(
 def _dkv_fold_runs_kernel(
     PARTIAL, ORDER, KEYS, SEG, ACC, K, k_stride, N,
     D: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, UNROLL: tl.constexpr,
+    PRELOAD: tl.constexpr = True,
 ):
     """``_dkv_reduce_kernel``'s fold (the same adds in the same order: the same bits), with
     the work cut by entries instead of by kv rows: the chunk's sorted entries (``KEYS``, the
@@ -223,38 +225,38 @@ def _dkv_fold_runs_kernel(
         # loads first (straight-line code, all in flight at once): the entries' rows and
         # positions, their partial rows, the accumulator row of each entry that starts a row
         r0, x0, s0, a0 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0, e_hi, cur, K, k_stride, offs_d, d_ok,
-                                    N_HB, D)
+                                    N_HB, D, PRELOAD)
         r1, x1, s1, a1 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 1, e_hi, r0, K, k_stride, offs_d, d_ok,
-                                    N_HB, D)
+                                    N_HB, D, PRELOAD)
         r2, x2, s2, a2 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 2, e_hi, r1, K, k_stride, offs_d, d_ok,
-                                    N_HB, D)
+                                    N_HB, D, PRELOAD)
         r3, x3, s3, a3 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 3, e_hi, r2, K, k_stride, offs_d, d_ok,
-                                    N_HB, D)
+                                    N_HB, D, PRELOAD)
         if UNROLL == 8:
             r4, x4, s4, a4 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 4, e_hi, r3, K, k_stride,
-                                        offs_d, d_ok, N_HB, D)
+                                        offs_d, d_ok, N_HB, D, PRELOAD)
             r5, x5, s5, a5 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 5, e_hi, r4, K, k_stride,
-                                        offs_d, d_ok, N_HB, D)
+                                        offs_d, d_ok, N_HB, D, PRELOAD)
             r6, x6, s6, a6 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 6, e_hi, r5, K, k_stride,
-                                        offs_d, d_ok, N_HB, D)
+                                        offs_d, d_ok, N_HB, D, PRELOAD)
             r7, x7, s7, a7 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 7, e_hi, r6, K, k_stride,
-                                        offs_d, d_ok, N_HB, D)
+                                        offs_d, d_ok, N_HB, D, PRELOAD)
         # then the adds in entry order, each row's sum stored when the next row starts
-        acc, cur = _run_add(ACC, acc, cur, r0, x0, s0, a0, offs_d, d_ok, D)
-        acc, cur = _run_add(ACC, acc, cur, r1, x1, s1, a1, offs_d, d_ok, D)
-        acc, cur = _run_add(ACC, acc, cur, r2, x2, s2, a2, offs_d, d_ok, D)
-        acc, cur = _run_add(ACC, acc, cur, r3, x3, s3, a3, offs_d, d_ok, D)
+        acc, cur = _run_add(ACC, acc, cur, r0, x0, s0, a0, offs_d, d_ok, D, PRELOAD)
+        acc, cur = _run_add(ACC, acc, cur, r1, x1, s1, a1, offs_d, d_ok, D, PRELOAD)
+        acc, cur = _run_add(ACC, acc, cur, r2, x2, s2, a2, offs_d, d_ok, D, PRELOAD)
+        acc, cur = _run_add(ACC, acc, cur, r3, x3, s3, a3, offs_d, d_ok, D, PRELOAD)
         if UNROLL == 8:
-            acc, cur = _run_add(ACC, acc, cur, r4, x4, s4, a4, offs_d, d_ok, D)
-            acc, cur = _run_add(ACC, acc, cur, r5, x5, s5, a5, offs_d, d_ok, D)
-            acc, cur = _run_add(ACC, acc, cur, r6, x6, s6, a6, offs_d, d_ok, D)
-            acc, cur = _run_add(ACC, acc, cur, r7, x7, s7, a7, offs_d, d_ok, D)
+            acc, cur = _run_add(ACC, acc, cur, r4, x4, s4, a4, offs_d, d_ok, D, PRELOAD)
+            acc, cur = _run_add(ACC, acc, cur, r5, x5, s5, a5, offs_d, d_ok, D, PRELOAD)
+            acc, cur = _run_add(ACC, acc, cur, r6, x6, s6, a6, offs_d, d_ok, D, PRELOAD)
+            acc, cur = _run_add(ACC, acc, cur, r7, x7, s7, a7, offs_d, d_ok, D, PRELOAD)
     tl.store(ACC + cur * D + offs_d, acc, mask=(cur >= 0) & d_ok)
 
 
 @triton.jit
 def _run_entry(PARTIAL, ORDER, KEYS, ACC, e, e_hi, prev, K, k_stride, offs_d, d_ok, N_HB: tl.constexpr,
-               D: tl.constexpr):
+               D: tl.constexpr, PRELOAD: tl.constexpr):
     """Entry ``e`` of a run: (its kv row, -1 past the run; its partial row, head-block parts
     added in order, 0 past the run; whether it starts a row, i.e. follows an entry of
     another row ``prev``; that row's accumulator where it does, else 0)."""
@@ -269,16 +271,21 @@ def _run_entry(PARTIAL, ORDER, KEYS, ACC, e, e_hi, prev, K, k_stride, offs_d, d_
     for hb in tl.static_range(1, N_HB):
         x += tl.load(base + hb * k_stride * D + offs_d, mask=m, other=0.0)
     st = ok & (r != prev)
-    a = tl.load(ACC + r * D + offs_d, mask=st & d_ok, other=0.0)
+    if PRELOAD:
+        a = tl.load(ACC + r * D + offs_d, mask=st & d_ok, other=0.0)
+    else:  # (loaded by _run_add when the row starts)
+        a = x
     return r, x, st, a
 
 
 @triton.jit
-def _run_add(ACC, acc, cur, r, x, st, a, offs_d, d_ok, D: tl.constexpr):
+def _run_add(ACC, acc, cur, r, x, st, a, offs_d, d_ok, D: tl.constexpr, PRELOAD: tl.constexpr):
     """One entry of a run added: where it starts a row, the previous row's sum is stored
     and the sum continues from the new row's accumulator (an entry past the run, r = -1 and
     st false, adds nothing)."""
     tl.store(ACC + cur * D + offs_d, acc, mask=st & (cur >= 0) & d_ok)
+    if not PRELOAD:
+        a = tl.load(ACC + r * D + offs_d, mask=st & d_ok, other=0.0)
     acc = tl.where(st, a, acc)
     cur = tl.where(st, r, cur)
     acc = tl.where(r >= 0, acc + x, acc)
@@ -459,7 +466,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         rows_per_program, unroll, fold_warps = fold_tile(N, n_sm)
         block_d = fold_block_d(D, rows_per_program)
         runs = fold_runs(N, n_sm)
-        runs_unroll, runs_warps, runs_per_sm = FOLD_RUNS_CONFIG
+        runs_unroll, runs_warps, runs_per_sm, runs_preload = FOLD_RUNS_CONFIG
         runs_grid = max(1, n_sm) * runs_per_sm
         for c0 in range(0, n_chunks, group):
             g = min(group, n_chunks - c0)
@@ -484,7 +491,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                 if runs:
                     _dkv_fold_runs_kernel[(runs_grid,)](
                         partial, order[c], sorted_ids[c], seg[c], acc, K, k_stride, N,
-                        D=D, BLOCK_D=next_pow2(D), N_HB=n_part, UNROLL=runs_unroll, num_warps=runs_warps)
+                        D=D, BLOCK_D=next_pow2(D), N_HB=n_part, UNROLL=runs_unroll, PRELOAD=runs_preload,
+                        num_warps=runs_warps)
                     continue
                 _dkv_reduce_kernel[(triton.cdiv(N, rows_per_program), triton.cdiv(D, block_d))](
                     partial, order[c], seg[c], acc, K, k_stride, N,
