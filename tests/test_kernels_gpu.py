@@ -462,6 +462,7 @@ def test_deterministic_fold_tiles_give_the_same_bits(monkeypatch, gluon, D, d_v)
     def run(tile):
         with monkeypatch.context() as m:
             m.setattr(kbwd, "fold_tile", lambda N, n_sm: tile)
+            m.setattr(kbwd, "FOLD_RUNS", False)
             return kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main)
 
     a = run((1, 8, 4))
@@ -470,6 +471,41 @@ def test_deterministic_fold_tiles_give_the_same_bits(monkeypatch, gluon, D, d_v)
         for x, y in zip(a, b):
             assert torch.equal(x, y), tile
     rq, rkv, rs = oracle_bwd(do, dl, q, kv, idx, sink, None, None, d_v)
+    assert relerr(a[0], rq) < 3e-2 and relerr(a[1], rkv) < 3e-2 and relerr(a[2], rs) < 2e-2
+
+
+@pytest.mark.parametrize("H, D, d_v, lengths", [(64, 512, None, False), (128, 512, None, True),
+                                                (64, 576, 512, False), (100, 512, None, True)],
+                         ids=["h64", "h128-lengths", "v32", "h100-lengths"])
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+def test_deterministic_fold_by_entry_runs_gives_the_same_bits(monkeypatch, gluon, H, D, d_v, lengths):
+    """At N = 40,000 (most rows untouched, a few entries a pool row, the long contexts'
+    case), over several chunks: the fold cut by entries (``backward.FOLD_RUNS``, the default
+    beyond ``FOLD_RUNS_MIN_ROWS`` rows an SM) in the default configuration and two others
+    gives the bits of the fold by kv rows, and the float64 oracle's gradients; with H = 128
+    and 100 two head blocks a token (pairs, or two partial rows an entry), with lengths."""
+    main = _main(gluon)
+    c = Case(300, H, D, 40000, 160, ids="random", lengths=lengths)
+    q, kv, idx, sink = make_case(c, DEV)
+    length = make_lengths(c, DEV)
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5, d_v=d_v, topk_length=length)
+    do, dl = torch.randn_like(out), torch.randn_like(lse)
+    monkeypatch.setattr(kbwd, "PARTIAL_BYTES", 100 * -(-H // 64) * c.K * c.D * 4)  # chunks of 100 or fewer
+
+    def run(runs, config=None):
+        with monkeypatch.context() as m:
+            m.setattr(kbwd, "FOLD_RUNS", runs)
+            if config is not None:
+                m.setattr(kbwd, "FOLD_RUNS_CONFIG", config)
+            return kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main,
+                                       topk_length=length)
+
+    a = run(False)
+    for config in (None, (8, 4, 8, True), (4, 4, 3, False)):
+        b = run(True, config)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), config
+    rq, rkv, rs = oracle_bwd(do, dl, q, kv, idx, sink, None, length, d_v)
     assert relerr(a[0], rq) < 3e-2 and relerr(a[1], rkv) < 3e-2 and relerr(a[2], rs) < 2e-2
 
 

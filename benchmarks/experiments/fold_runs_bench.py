@@ -33,7 +33,8 @@ ROWS = [(4096, 64, 640, "distinct"), (4096, 128, 1152, "distinct"), (32768, 64, 
 ROWS = [ROWS[int(i)] for i in os.environ.get("RUNS_ROWS", "0,1,2,3,4").split(",")]
 CONFIGS = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
     "RUNS_CONFIGS", "8,4,8,1 8,4,4,1 4,4,8,1").split()]
-ARMS = [("rows", False, None)] + [("runs_" + "_".join(map(str, c)), True, c[:3] + (bool(c[3]),)) for c in CONFIGS]
+ARMS = [("rows", False, None)]
+ARMS += [("runs_" + "_".join(map(str, c)), True, c[:3] + (bool(c[3]),)) for c in CONFIGS]
 
 
 def run(args, runs, config):

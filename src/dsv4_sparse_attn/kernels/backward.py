@@ -68,11 +68,17 @@ FOLD_BLOCK_D_MASKED = 1024
 FOLD_BLOCK_D_MASKED_TILE = 256
 
 # The fold cut by entries (``_dkv_fold_runs_kernel``) instead of by kv rows: None = where
-# ``fold_runs`` takes it, True / False = always / never (off until measured:
-# benchmarks/experiments/fold_runs_bench.py). Its (entries a step, warps, programs an SM,
-# accumulator rows loaded with the entries rather than when their row starts).
-FOLD_RUNS = False
-FOLD_RUNS_CONFIG = (4, 4, 8, True)
+# ``fold_runs`` takes it (more than FOLD_RUNS_MIN_ROWS kv rows an SM: long contexts, where a
+# chunk leaves most rows without entries), True / False = always / never. Its (entries a
+# step, warps, programs an SM, accumulator rows loaded with the entries rather than when
+# their row starts). H200, deterministic backward, causal ids, T = 131072
+# (benchmarks/experiments/fold_runs_bench.py): H64 K640 136.4 ms against 154.2 by rows,
+# H128 K1152 392.0 against 417.1; (4, 4, 8) 147 / 409, (8, 2, 16) 155 / 418, without the
+# preload 159-160 / 425; at T = 4096 and 32768 (rows of tens to hundreds of entries: one
+# row a program reads at 3.8 TB/s) 8-38% slower in (8 | 4, 4, 4 | 8) configurations.
+FOLD_RUNS = None
+FOLD_RUNS_MIN_ROWS = 512
+FOLD_RUNS_CONFIG = (4, 2, 16, True)
 
 
 @triton.jit(do_not_specialize=["t_lo", "n_tok", "K", "stride_t", "N", "n"])
@@ -367,11 +373,12 @@ def fold_tile(N: int, n_sm: int) -> tuple[int, int, int]:
 
 def fold_runs(N: int, n_sm: int) -> bool:
     """Whether the deterministic fold is cut by entries (``_dkv_fold_runs_kernel``) rather
-    than by kv rows: ``FOLD_RUNS`` where set, else where ``fold_tile`` would take several
-    rows a program (long contexts: most rows without entries in a chunk)."""
+    than by kv rows (``_dkv_reduce_kernel``): ``FOLD_RUNS`` where set, else beyond
+    ``FOLD_RUNS_MIN_ROWS`` kv rows an SM (a function of the shape: the bits are the same
+    either way)."""
     if FOLD_RUNS is not None:
         return bool(FOLD_RUNS)
-    return fold_tile(N, n_sm)[0] > 1
+    return n_sm > 0 and N > n_sm * FOLD_RUNS_MIN_ROWS
 
 
 def chunk_tokens(T: int, n_hb: int, K: int, D: int, budget: int, n_sm: int = 0) -> int:
