@@ -69,6 +69,9 @@ _GLUON_EXTRA = [
     Case(400, 64, 512, 50, 0),  # K = 0: every row empty, tiles must still hand q over
     # fewer heads than a tile's 64 rows (padding rows masked)
     Case(5, 24, 512, 300, 640, ids="deepseek"),
+    # K % 128 in [1, 64] without lengths: the last pair's odd block is skipped (DEAD build)
+    Case(300, 64, 512, 700, 160, ids="deepseek"),
+    Case(7, 128, 512, 90, 64, ids="dup", sink=False),
     Case(200, 40, 512, 300, 130, ids="deepseek"),
     # per-token lengths: tiles of different block counts in one program (running phases)
     Case(300, 128, 512, 700, 300, ids="deepseek", lengths=True),

@@ -50,6 +50,7 @@ from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_
                      finish_softmax, hopper_rejects, load_ids, thread_barrier, tile_token)
 
 BLOCK_H = 64
+BLOCK_K = 64  # slots of a block (_BK)
 
 # mbarrier slots
 _Q_READY = gl.constexpr(0)
@@ -151,7 +152,7 @@ def _produce_tile(KV, idx_row, N, K, stride_kvn, kv_smem, bars, n_pairs, pair0, 
         ids = load_ids(idx_row, (j + 1) * _BK, K, offs_r)  # next block's ids, ahead
         for half in gl.static_range(2):
             mbarrier.wait(bars.index(_KV_FREE + 2 * b + half), free_phase)
-            if (not HAS_LEN) or j * _BK < K:  # (a block past the length: no reader)
+            if j * _BK < K:  # (a block past the length or K: no reader)
                 async_load(kv_smem.index(2 * b + half), ptrs + half * _DH, mask=vm)
                 if ROPE > 0 and half == 1:
                     async_load(kvr_smem.index(b), KV + rows[:, None] * stride_kvn + offs_rd[None, :], mask=vm)
@@ -188,9 +189,11 @@ def _take_max(m_smem, slot: gl.constexpr, m_cur, l_i, acc):
 
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr = 0,
-              rope_io=0):
+              rope_io=0, DEAD: gl.constexpr = False):
     """Consumer ``WG`` (0 or 1): S of blocks j = WG mod 2, O[:, WG*DH:(WG+1)*DH] of every block.
-    ``ROPE`` > 0 (the 576/512 layout): ``rope_io`` is (Q, stride_qt, stride_qh, kvr_smem)."""
+    ``ROPE`` > 0 (the 576/512 layout): ``rope_io`` is (Q, stride_qt, stride_qh, kvr_smem).
+    ``DEAD``: a tile's last pair may have its odd block wholly past the tile's slots (with
+    lengths, or K % 128 in [1, 64]), which both consumers then skip."""
     io, sizes, strides, smem, n_pairs, scale_log2 = args
     T, H, N, K = sizes
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -210,13 +213,13 @@ def _consumer(args, WG: gl.constexpr, HAS_SINK: gl.constexpr, HAS_LEN: gl.conste
         pid_h = tile % n_hb
         k_end, n_pairs_t, pair0 = _tile_pairs(LEN, pid_t, K, n_pairs, tcount, pcount, HAS_LEN)
         _consume_tile(io, sizes, strides, smem, n_pairs_t, scale_log2, pid_t, pid_h, tcount, pair0, k_end,
-                      offs_c, s_zero, WG, HAS_SINK, HAS_LEN, ROPE, rope_io)
+                      offs_c, s_zero, WG, HAS_SINK, HAS_LEN, ROPE, rope_io, DEAD)
         tcount += 1
         pcount += n_pairs_t
 
 
 @gluon.jit
-def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, HAS_LEN: gl.constexpr,
+def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, DEAD: gl.constexpr,
                   ROPE: gl.constexpr = 0, rope=0):
     """Block pair ``i`` of a tile for consumer ``WG``: S and P of block 2i + WG, both
     blocks' P V on this consumer's D half. Returns (acc, l_i, m_cur, ids). ``ROPE`` > 0:
@@ -293,7 +296,7 @@ def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, HAS_LEN: g
         mbarrier.wait(bars.index(_P_READY + 1), ph)
         m_cur, l_i, acc = _take_max(m_smem, 1, m_cur, l_i, acc)
         mbarrier.wait(bars.index(_KV_READY + 2), ph)
-        if (not HAS_LEN) or (2 * i + 1) * BK < K:  # (an odd block past the length has P = 0)
+        if (not DEAD) or (2 * i + 1) * BK < K:  # (an odd block past the slots: skipped, P = 0)
             acc = warpgroup_mma(p_smem.index(1), kv_smem.index(2), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(bars.index(_KV_FREE + 2))  # buffer 1, D half 0
@@ -332,7 +335,7 @@ def _consume_dead_odd_block(smem, pair, acc, l_i, m_cur, ids):
 @gluon.jit
 def _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, tcount, pair0, K, offs_c,
                   s_zero, WG: gl.constexpr, HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr,
-                  ROPE: gl.constexpr = 0, rope_io=0):
+                  ROPE: gl.constexpr = 0, rope_io=0, DEAD: gl.constexpr = False):
     """One (token, 64-head block) tile of consumer ``WG``: ``n_pairs`` block pairs, the
     first of them the ring's ``pair0``-th, ids past slot ``K`` masked."""
     IDX, SINK, OUT, LSE, LEN, ORDER = io
@@ -374,14 +377,13 @@ def _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, t
     for i in range(0, n_pairs):
         ph = (pair0 + i) & 1
         pair = (i, ph, n_pairs, idx_row, N, K, scale_log2, offs_c, s_zero)
-        if HAS_LEN and WG == 1:
+        if DEAD and WG == 1:
             if (2 * i + 1) * BK < K:
-                acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, HAS_LEN, ROPE,
-                                                     rope)
-            else:  # the pair's odd block is all past the token's length
+                acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, DEAD, ROPE, rope)
+            else:  # the pair's odd block is all past the tile's slots
                 acc, l_i, m_cur, ids = _consume_dead_odd_block(smem, pair, acc, l_i, m_cur, ids)
         else:
-            acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, HAS_LEN, ROPE, rope)
+            acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, DEAD, ROPE, rope)
 
     mbarrier.arrive(bars.index(_Q_FREE), pred=n_pairs == 0)  # K = 0: no S read q
 
@@ -453,6 +455,7 @@ def _sparse_mla_fwd_gluon_kernel(
     HAS_SINK: gl.constexpr,
     HAS_LEN: gl.constexpr,
     ROPE: gl.constexpr = 0,
+    DEAD: gl.constexpr = False,
 ):
     gl.static_assert(D == 2 * _DH, "the Gluon forward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
@@ -494,18 +497,29 @@ def _sparse_mla_fwd_gluon_kernel(
                   (q_smem, kv_smem, kvr_smem, bars), n_pairs, HAS_LEN)
         rope_io = (Q, stride_qt, stride_qh, kvr_smem)
         gl.warp_specialize([(_producer_rope, p_args),
-                            (_consumer, (c_args, 0, HAS_SINK, HAS_LEN, ROPE, rope_io)),
-                            (_consumer, (c_args, 1, HAS_SINK, HAS_LEN, ROPE, rope_io))],
+                            (_consumer, (c_args, 0, HAS_SINK, HAS_LEN, ROPE, rope_io, DEAD)),
+                            (_consumer, (c_args, 1, HAS_SINK, HAS_LEN, ROPE, rope_io, DEAD))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     else:
         p_args = ((Q, KV, IDX, LEN, ORDER), sizes, (stride_qt, stride_qh, stride_kvn, stride_it),
                   (q_smem, kv_smem, bars), n_pairs, HAS_LEN)
-        gl.warp_specialize([(_producer, p_args), (_consumer, (c_args, 0, HAS_SINK, HAS_LEN)),
-                            (_consumer, (c_args, 1, HAS_SINK, HAS_LEN))],
+        gl.warp_specialize([(_producer, p_args), (_consumer, (c_args, 0, HAS_SINK, HAS_LEN, 0, 0, DEAD)),
+                            (_consumer, (c_args, 1, HAS_SINK, HAS_LEN, 0, 0, DEAD))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
 NAME = "gluon_sm90"
+# Skip a tile's last odd block where it lies wholly past K (K % 128 in [1, 64]: K = 160
+# ran its 3 blocks as 4) or past a token's length; False: compute it, masked (A/B runs).
+SKIP_DEAD_ODD_BLOCK = True
+
+
+def dead_odd_block(K: int, has_len: bool) -> bool:
+    """The ``DEAD`` build: whether a tile's last block pair can have its odd block wholly
+    past the tile's slots (with lengths always; without, where 0 < K % 128 <= 64)."""
+    return has_len or (SKIP_DEAD_ODD_BLOCK and 0 < K % (2 * BLOCK_K) <= BLOCK_K)
+
+
 # Fewest heads for which this is the faster forward (H200, T=4096, K=1152 and 512): from
 # H = 24 it takes 26-57% less time than the Triton kernel; at H <= 16 its 64-row tiles are
 # mostly padding and Triton's 16-row blocks win by 2-4%
@@ -556,6 +570,7 @@ def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, topk_le
     _sparse_mla_fwd_gluon_kernel[grid](
         *args, topk_length if topk_length is not None else indices, order if order is not None else indices,
         D=dv, HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None, ROPE=D - dv,
+        DEAD=dead_odd_block(indices.shape[1], topk_length is not None),
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
     return out, lse
