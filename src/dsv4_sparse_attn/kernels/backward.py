@@ -371,14 +371,15 @@ def fold_tile(N: int, n_sm: int) -> tuple[int, int, int]:
     return 4, 4, 4
 
 
-def fold_runs(N: int, n_sm: int) -> bool:
+def fold_runs(N: int, n_sm: int, D: int) -> bool:
     """Whether the deterministic fold is cut by entries (``_dkv_fold_runs_kernel``) rather
     than by kv rows (``_dkv_reduce_kernel``): ``FOLD_RUNS`` where set, else beyond
-    ``FOLD_RUNS_MIN_ROWS`` kv rows an SM (a function of the shape: the bits are the same
-    either way)."""
+    ``FOLD_RUNS_MIN_ROWS`` kv rows an SM where rows are whole 512-column programs (D = 512,
+    the width measured; 576's rows would be 1024 columns with 448 masked). A function of the
+    shape; the bits are the same either way."""
     if FOLD_RUNS is not None:
         return bool(FOLD_RUNS)
-    return n_sm > 0 and N > n_sm * FOLD_RUNS_MIN_ROWS
+    return n_sm > 0 and N > n_sm * FOLD_RUNS_MIN_ROWS and D % FOLD_BLOCK_D == 0
 
 
 def chunk_tokens(T: int, n_hb: int, K: int, D: int, budget: int, n_sm: int = 0) -> int:
@@ -472,7 +473,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         lengths = topk_length if topk_length is not None else indices
         rows_per_program, unroll, fold_warps = fold_tile(N, n_sm)
         block_d = fold_block_d(D, rows_per_program)
-        runs = fold_runs(N, n_sm)
+        runs = fold_runs(N, n_sm, D)
         runs_unroll, runs_warps, runs_per_sm, runs_preload = FOLD_RUNS_CONFIG
         runs_grid = max(1, n_sm) * runs_per_sm
         for c0 in range(0, n_chunks, group):
