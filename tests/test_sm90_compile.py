@@ -124,17 +124,18 @@ def test_gluon_forward_d512_compiles_for_sm90(has_sink, has_len, dead):
     assert len(r["mma_loops"]) == 2 and all(lp["LDL"] == 0 for lp in r["mma_loops"]), r["mma_loops"]
 
 
-@pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])
+@pytest.mark.parametrize("has_len, dead", [(False, False), (True, True), (False, True)],
+                         ids=["", "topk_length", "dead_odd_block"])
 @pytest.mark.parametrize("has_sink", [True, False])
-def test_gluon_forward_v32_compiles_for_sm90(has_sink, has_len):
+def test_gluon_forward_v32_compiles_for_sm90(has_sink, has_len, dead):
     """The Gluon forward at D = 576, d_v = 512 (ROPE = 64: kv's score-only columns in a ring
     of their own, q's in registers, the output converted through the P buffers; 230,736-
     230,768 bytes). Where the dispatcher gives it the 576/512 layout (Triton 3.6-3.8): no
     wgmma serialisation, no spill reload in the block loops, at most a few spilled bytes
     outside them (3.6: none; 3.7-3.8: 4 with lengths). Under 3.9 ptxas reloads a spilled
     value (the shared-memory base) in the block loops: at most one per loop."""
-    r = compile_forward_gluon(has_sink=has_sink, has_len=has_len, rope=64)
-    base = compile_forward_gluon(has_sink=has_sink, has_len=has_len)
+    r = compile_forward_gluon(has_sink=has_sink, has_len=has_len, rope=64, dead=dead)
+    base = compile_forward_gluon(has_sink=has_sink, has_len=has_len, dead=dead)
     assert r["shared"] <= H200_SMEM_LIMIT, r
     assert r["wgmma"] > 0 and r["mma_sync"] == 0, r
     # one block loop per consumer, each with the score-only columns' 4 more wgmmas (K = 64)
