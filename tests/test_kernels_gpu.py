@@ -531,7 +531,10 @@ def _n_compiled(jit_fn) -> int:
 
 
 def test_no_recompile_when_T_K_N_change():
-    """T, N and K are runtime values: three sequence lengths / top-ks compile each kernel once."""
+    """T, N and K are runtime values: three sequence lengths / top-ks compile each kernel once.
+    (All three K leave a tile's last odd block past K, so the Gluon forward runs its DEAD
+    build for each, ``forward_gluon.dead_odd_block``; K % 128 of 0 or above 64 takes the
+    other one: two builds over every K, not one per K.)"""
     from dsv4_sparse_attn.kernels import backward_gluon, forward_gluon
 
     gluon = forward_gluon.rejects(Call.of(torch.empty(1, 64, 512, device=DEV, dtype=BF))) is None
