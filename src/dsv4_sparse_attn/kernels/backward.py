@@ -257,7 +257,7 @@ def _dkv_fold_runs_kernel(
             acc, cur = _run_add(ACC, acc, cur, r5, x5, s5, a5, offs_d, d_ok, D, PRELOAD)
             acc, cur = _run_add(ACC, acc, cur, r6, x6, s6, a6, offs_d, d_ok, D, PRELOAD)
             acc, cur = _run_add(ACC, acc, cur, r7, x7, s7, a7, offs_d, d_ok, D, PRELOAD)
-    tl.store(ACC + cur * D + offs_d, acc, mask=(cur >= 0) & d_ok)
+    tl.store(ACC + cur * D + offs_d, acc, mask=tl.where(cur >= 0, d_ok, False))
 
 
 @triton.jit
@@ -272,13 +272,13 @@ def _run_entry(PARTIAL, ORDER, KEYS, ACC, e, e_hi, prev, K, k_stride, offs_d, d_
     tok = entry // K
     slot = entry - tok * K
     base = PARTIAL + ((tok * N_HB) * k_stride + slot) * D
-    m = ok & d_ok
+    m = tl.where(ok, d_ok, False)  # (a scalar & a vector: not a mask the 3.9 interpreter takes)
     x = tl.load(base + offs_d, mask=m, other=0.0)
     for hb in tl.static_range(1, N_HB):
         x += tl.load(base + hb * k_stride * D + offs_d, mask=m, other=0.0)
     st = ok & (r != prev)
     if PRELOAD:
-        a = tl.load(ACC + r * D + offs_d, mask=st & d_ok, other=0.0)
+        a = tl.load(ACC + r * D + offs_d, mask=tl.where(st, d_ok, False), other=0.0)
     else:  # (loaded by _run_add when the row starts)
         a = x
     return r, x, st, a
@@ -289,9 +289,9 @@ def _run_add(ACC, acc, cur, r, x, st, a, offs_d, d_ok, D: tl.constexpr, PRELOAD:
     """One entry of a run added: where it starts a row, the previous row's sum is stored
     and the sum continues from the new row's accumulator (an entry past the run, r = -1 and
     st false, adds nothing)."""
-    tl.store(ACC + cur * D + offs_d, acc, mask=st & (cur >= 0) & d_ok)
+    tl.store(ACC + cur * D + offs_d, acc, mask=tl.where(st & (cur >= 0), d_ok, False))
     if not PRELOAD:
-        a = tl.load(ACC + r * D + offs_d, mask=st & d_ok, other=0.0)
+        a = tl.load(ACC + r * D + offs_d, mask=tl.where(st, d_ok, False), other=0.0)
     acc = tl.where(st, a, acc)
     cur = tl.where(st, r, cur)
     acc = tl.where(r >= 0, acc + x, acc)
