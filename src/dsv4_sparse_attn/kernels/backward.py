@@ -77,8 +77,11 @@ FOLD_BLOCK_D_MASKED_TILE = 256
 # preload 159-160 / 425; at T = 4096 and 32768 (rows of tens to hundreds of entries: one
 # row a program reads at 3.8 TB/s) 8-38% slower in (8 | 4, 4, 4 | 8) configurations.
 FOLD_RUNS = None
-FOLD_RUNS_MIN_ROWS = 512
 FOLD_RUNS_CONFIG = (4, 2, 16, True)
+# kv rows an SM beyond which a chunk leaves most rows without entries (long contexts): the
+# fold by rows takes several rows a program there (``fold_tile``), the fold by entry runs
+# takes over (``fold_runs``)
+FOLD_RUNS_MIN_ROWS = 512
 
 
 @triton.jit(do_not_specialize=["t_lo", "n_tok", "K", "stride_t", "N", "n"])
@@ -130,14 +133,27 @@ def _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.cons
     added in order), 0 where ``e`` is past the row's ``end``."""
     ok = e < end
     entry = tl.load(ORDER + e, mask=ok, other=0)  # flat (token-in-chunk, slot)
-    tok = entry // K
-    slot = entry - tok * K
-    base = PARTIAL + ((tok * N_HB) * k_stride + slot) * D  # [ROWS]
-    ptr = base[:, None] + offs_d[None, :]
+    ptr = _partial_row(PARTIAL, entry, K, k_stride, N_HB, D)[:, None] + offs_d[None, :]
     if MASK_D:
         m = ok[:, None] & d_ok[None, :]
     else:  # (a mask constant along the row: 16-byte loads)
         m = ok[:, None]
+    return _sum_parts(ptr, m, k_stride, N_HB, D)
+
+
+@triton.jit
+def _partial_row(PARTIAL, entry, K, k_stride, N_HB: tl.constexpr, D: tl.constexpr):
+    """The first of the partial rows of ``entry`` (flat (token-in-chunk, slot); any shape):
+    ``[chunk tokens, N_HB parts, k_stride slots, D]``."""
+    tok = entry // K
+    slot = entry - tok * K
+    return PARTIAL + ((tok * N_HB) * k_stride + slot) * D
+
+
+@triton.jit
+def _sum_parts(ptr, m, k_stride, N_HB: tl.constexpr, D: tl.constexpr):
+    """An entry's partial row, its N_HB head-block parts (``ptr``: the first's columns)
+    added in part order."""
     x = tl.load(ptr, mask=m, other=0.0)
     for hb in tl.static_range(1, N_HB):
         x += tl.load(ptr + hb * k_stride * D, mask=m, other=0.0)
@@ -269,13 +285,9 @@ def _run_entry(PARTIAL, ORDER, KEYS, ACC, e, e_hi, prev, K, k_stride, offs_d, d_
     ok = e < e_hi
     r = tl.load(KEYS + e, mask=ok, other=-1).to(tl.int64)
     entry = tl.load(ORDER + e, mask=ok, other=0)
-    tok = entry // K
-    slot = entry - tok * K
-    base = PARTIAL + ((tok * N_HB) * k_stride + slot) * D
+    base = _partial_row(PARTIAL, entry, K, k_stride, N_HB, D)
     m = tl.where(ok, d_ok, False)  # (a scalar & a vector: not a mask the 3.9 interpreter takes)
-    x = tl.load(base + offs_d, mask=m, other=0.0)
-    for hb in tl.static_range(1, N_HB):
-        x += tl.load(base + hb * k_stride * D + offs_d, mask=m, other=0.0)
+    x = _sum_parts(base + offs_d, m, k_stride, N_HB, D)
     st = ok & (r != prev)
     if PRELOAD:
         a = tl.load(ACC + r * D + offs_d, mask=tl.where(st, d_ok, False), other=0.0)
@@ -366,7 +378,7 @@ def fold_tile(N: int, n_sm: int) -> tuple[int, int, int]:
     (benchmarks/experiments/fold_tile_bench.py): T = 131072 165.8 ms against 178.7 with one
     row a program, T = 32768 39.7 against 38.1; with 512 columns 154 ms at T = 131072
     (fold_width_bench.py). Any tile gives the same bits."""
-    if n_sm <= 0 or N <= n_sm * 512:
+    if n_sm <= 0 or N <= n_sm * FOLD_RUNS_MIN_ROWS:
         return 1, 8, 4
     return 4, 4, 4
 

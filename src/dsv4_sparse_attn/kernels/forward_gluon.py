@@ -50,7 +50,7 @@ from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_
                      finish_softmax, hopper_rejects, load_ids, thread_barrier, tile_token)
 
 BLOCK_H = 64
-BLOCK_K = 64  # slots of a block (_BK)
+BLOCK_K = 64  # slots of a block
 
 # mbarrier slots
 _Q_READY = gl.constexpr(0)
@@ -62,8 +62,8 @@ _FIN = gl.constexpr(13)
 _Q_FREE = gl.constexpr(14)
 _N_BARS = gl.constexpr(15)
 _DH = gl.constexpr(256)  # D / 2: D = 512 only
-_BK = gl.constexpr(64)  # slots of a block
-_BH = gl.constexpr(64)  # heads of a tile
+_BK = gl.constexpr(BLOCK_K)  # slots of a block
+_BH = gl.constexpr(BLOCK_H)  # heads of a tile
 
 
 @gluon.jit
