@@ -31,6 +31,9 @@ ROWS = [(4096, 64, 640, "distinct"), (4096, 128, 1152, "distinct"), (32768, 64, 
 # RUNS_ROWS="3,4": rows of ROWS; RUNS_CONFIGS="4,4,8,1 4,4,16,0": FOLD_RUNS_CONFIGs to time
 # (entries a step, warps, programs an SM, accumulator rows preloaded)
 ROWS = [ROWS[int(i)] for i in os.environ.get("RUNS_ROWS", "0,1,2,3,4").split(",")]
+# RUNS_D=576: the 576/512 layout (q and kv 576 wide, values the first 512 columns), whose
+# fold rows are 1024-column programs with 448 columns masked
+D = int(os.environ.get("RUNS_D", "512"))
 CONFIGS = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
     "RUNS_CONFIGS", "8,4,8,1 8,4,4,1 4,4,8,1").split()]
 ARMS = [("rows", False, None)]
@@ -46,9 +49,20 @@ def run(args, runs, config):
                                deterministic=True)
 
 
+def causal_576(T, H, K):
+    """causal_inputs' ids at D = 576, values over the first 512 columns."""
+    from bench import make_inputs  # (benchmarks/ on the path)
+    q, kv, idx, sink = make_inputs(T, H, K, D, pool="causal", n_pool=max(T // 4, K))
+    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, None, 512)
+    return q, kv, idx, sink, torch.randn_like(out), out, lse
+
+
 def one(T, H, K, ids, reps):
-    args = inputs(T, H, K) if ids == "distinct" else causal_inputs(T, H, K)
-    row = dict(T=T, H=H, K=K, ids=ids)
+    if D != 512:
+        args = inputs(T, H, K, D, d_v=512) if ids == "distinct" else causal_576(T, H, K)
+    else:
+        args = inputs(T, H, K) if ids == "distinct" else causal_inputs(T, H, K)
+    row = dict(T=T, H=H, K=K, D=D, ids=ids)
     ref = run(args, False, None)
     for name, runs, config in ARMS[1:]:
         got = run(args, runs, config)
