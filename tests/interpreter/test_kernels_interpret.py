@@ -143,14 +143,15 @@ def test_fold_tiles_give_the_same_bits_interpreted(monkeypatch, tile, H):
 
 
 def test_fold_by_entry_runs_where_rows_are_many(monkeypatch):
-    """The fold by entry runs is the default beyond FOLD_RUNS_MIN_ROWS kv rows an SM at
-    D = 512 (T = 131072's 163,840 rows on 132 SMs, not T = 32768's 40,960), not at 576 (not
-    measured there) nor on the CPU; FOLD_RUNS overrides the rule either way."""
+    """The fold by entry runs is the default beyond FOLD_RUNS_MIN_ROWS kv rows an SM, at
+    D = 512 and 576 (T = 131072's 163,840 rows on 132 SMs, not T = 32768's 40,960), not on
+    the CPU; FOLD_RUNS overrides the rule either way."""
     from dsv4_sparse_attn.kernels import backward as kbwd
 
     assert kbwd.FOLD_RUNS is None and kbwd.FOLD_RUNS_MIN_ROWS == 512
     assert kbwd.fold_runs(163840, 132, 512) and not kbwd.fold_runs(40960, 132, 512)
-    assert not kbwd.fold_runs(163840, 132, 576) and not kbwd.fold_runs(163840, 0, 512)
+    assert kbwd.fold_runs(163840, 132, 576) and not kbwd.fold_runs(40960, 132, 576)
+    assert not kbwd.fold_runs(163840, 0, 512)
     monkeypatch.setattr(kbwd, "FOLD_RUNS", True)
     assert kbwd.fold_runs(10, 0, 576)
     monkeypatch.setattr(kbwd, "FOLD_RUNS", False)

@@ -74,8 +74,10 @@ FOLD_BLOCK_D_MASKED_TILE = 256
 # their row starts). H200, deterministic backward, causal ids, T = 131072
 # (benchmarks/experiments/fold_runs_bench.py): H64 K640 136.4 ms against 154.2 by rows,
 # H128 K1152 392.0 against 417.1; (4, 4, 8) 147 / 409, (8, 2, 16) 155 / 418, without the
-# preload 159-160 / 425; at T = 4096 and 32768 (rows of tens to hundreds of entries: one
-# row a program reads at 3.8 TB/s) 8-38% slower in (8 | 4, 4, 4 | 8) configurations.
+# preload 159-160 / 425; at 576/512 (1024-column programs, 448 columns masked) 169.3 against
+# 207.9 and 469.8 against 541.8, (8, 2, 16) 183.5 / 492.8; at T = 4096 and 32768 (rows of
+# tens to hundreds of entries: one row a program reads at 3.8 TB/s) 8-38% slower in
+# (8 | 4, 4, 4 | 8) configurations.
 FOLD_RUNS = None
 FOLD_RUNS_CONFIG = (4, 2, 16, True)
 # kv rows an SM beyond which a chunk leaves most rows without entries (long contexts): the
@@ -386,12 +388,12 @@ def fold_tile(N: int, n_sm: int) -> tuple[int, int, int]:
 def fold_runs(N: int, n_sm: int, D: int) -> bool:
     """Whether the deterministic fold is cut by entries (``_dkv_fold_runs_kernel``) rather
     than by kv rows (``_dkv_reduce_kernel``): ``FOLD_RUNS`` where set, else beyond
-    ``FOLD_RUNS_MIN_ROWS`` kv rows an SM where rows are whole 512-column programs (D = 512,
-    the width measured; 576's rows would be 1024 columns with 448 masked). A function of the
-    shape; the bits are the same either way."""
+    ``FOLD_RUNS_MIN_ROWS`` kv rows an SM, at any D (measured at D = 512 and at 576, whose
+    rows are 1024-column programs with 448 columns masked: 13-19% shorter deterministic
+    calls at T = 131072). A function of the shape; the bits are the same either way."""
     if FOLD_RUNS is not None:
         return bool(FOLD_RUNS)
-    return n_sm > 0 and N > n_sm * FOLD_RUNS_MIN_ROWS and D % FOLD_BLOCK_D == 0
+    return n_sm > 0 and N > n_sm * FOLD_RUNS_MIN_ROWS
 
 
 def chunk_tokens(T: int, n_hb: int, K: int, D: int, budget: int, n_sm: int = 0) -> int:
