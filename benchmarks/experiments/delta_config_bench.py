@@ -34,8 +34,8 @@ def main():
 
             def f(bh=bh, warps=warps, delta=delta):
                 kbwd._bwd_delta_kernel[(T, triton.cdiv(H, bh))](
-                    out, do, dl, delta, H, out.stride(0), out.stride(1), do.stride(0), do.stride(1), dl.stride(0),
-                    D=D, BLOCK_H=bh, HAS_DLSE=True, num_warps=warps)
+                    out, do, dl, delta, H, out.stride(0), out.stride(1), do.stride(0), do.stride(1),
+                    dl.stride(0), D=D, BLOCK_H=bh, HAS_DLSE=True, num_warps=warps)
             f()
             err = ((delta - ref).abs().max() / ref.abs().max()).item()
             ms = do_bench(f, warmup=10, rep=50)

@@ -34,17 +34,19 @@ def main():
             n_blocks = BLOCKS_PER_SM * S
             rows_t = torch.randint(0, R, (n_blocks * 64,), device=dev, dtype=torch.int32)
             sink = torch.empty((S, 128), dtype=torch.float32, device=dev)
-            for name, read, red in (("reads", True, False), ("reductions", False, True), ("both", True, True)):
+            arms = (("reads", True, False), ("reductions", False, True), ("both", True, True))
+            for name, read, red in arms:
                 def f(read=read, red=red):
                     _probe[(S,)](acc, kv, rows_t, sink, n_blocks, READ=read, RED=red, ASM=_RED[0],
                                  CONS=_RED[1], num_warps=16)
                 f()
                 ms = do_bench(f, warmup=5, rep=40)
+                bytes_a_row = (1024 if read else 0) + (2048 if red else 0)
                 print(json.dumps(dict(rows=R, sms=S, arm=name, ms=round(ms, 4),
                                       us_a_block_an_sm=round(ms * 1e3 / BLOCKS_PER_SM, 3),
                                       ns_a_block_over_gpu=round(ms * 1e6 / n_blocks, 2),
-                                      GBps_an_sm=round(BLOCKS_PER_SM * 64 * ((1024 if read else 0) + (2048 if red else 0))
-                                                       / ms / 1e6, 1))), flush=True)
+                                      GBps_an_sm=round(BLOCKS_PER_SM * 64 * bytes_a_row / ms / 1e6, 1))),
+                      flush=True)
         acc = kv = None
         torch.cuda.empty_cache()
 
