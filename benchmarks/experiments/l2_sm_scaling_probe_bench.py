@@ -5,7 +5,7 @@ blocks an SM (a T = 4096, H64 K640 call's share):
 
     PYTHONPATH=src:benchmarks/experiments python benchmarks/experiments/l2_sm_scaling_probe_bench.py
 
-Question (docs/performance/backward.md#the-fast-modes-floor): the last tiles of the fast
+Question (docs/performance/backward.md#the-fast-modes-floor-probed): the last tiles of the fast
 mode, run with most SMs idle, take a median tile's time, which reads as a bound within the
 SM; the probe's 45.8 ns a block over 132 SMs reads as the L2's. If the L2 bounds it, a block
 takes about S / 132 of its 132-SM time on S SMs (down to the SM's own limit); if the SM does,
