@@ -1,7 +1,8 @@
 """Where a call's host time goes: cProfile over calls of the forward and the fast and
 deterministic backward ops (the GPU's work queued, not waited for, between calls).
 
-    PYTHONPATH=src:benchmarks python benchmarks/experiments/host_path_profile.py > profile.txt
+    PYTHONPATH=src:benchmarks:benchmarks/experiments \
+        python benchmarks/experiments/host_path_profile.py > profile.txt
 
 (docs/performance/backward.md#the-fast-modes-floor-probed: about 1 ms of host time a fast
 backward call at T = 4096, hidden by do_bench, near the GPU time at K = 160.)
@@ -10,28 +11,16 @@ import cProfile
 import io
 import os
 import pstats
-import statistics
-import time
 
 import torch
 
 import dsv4_sparse_attn
 from bench import make_inputs
+from host_gap_bench import host_us  # (this directory)
 
 ROWS = [(4096, 64, 640), (4096, 64, 160), (4096, 128, 1152)]
 ROWS = [ROWS[int(i)] for i in os.environ.get("PROFILE_ROWS", "0,1,2").split(",")]
 CALLS = 40
-
-
-def host_us(fn, n=30):
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def main():
