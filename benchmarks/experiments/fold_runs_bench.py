@@ -49,19 +49,9 @@ def run(args, runs, config):
                                deterministic=True)
 
 
-def causal_576(T, H, K):
-    """causal_inputs' ids at D = 576, values over the first 512 columns."""
-    from bench import make_inputs  # (benchmarks/ on the path)
-    q, kv, idx, sink = make_inputs(T, H, K, D, pool="causal", n_pool=max(T // 4, K))
-    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, None, 512)
-    return q, kv, idx, sink, torch.randn_like(out), out, lse
-
-
 def one(T, H, K, ids, reps):
-    if D != 512:
-        args = inputs(T, H, K, D, d_v=512) if ids == "distinct" else causal_576(T, H, K)
-    else:
-        args = inputs(T, H, K) if ids == "distinct" else causal_inputs(T, H, K)
+    d_v = None if D == 512 else 512
+    args = inputs(T, H, K, D, d_v=d_v) if ids == "distinct" else causal_inputs(T, H, K, D, d_v)
     row = dict(T=T, H=H, K=K, D=D, ids=ids)
     ref = run(args, False, None)
     for name, runs, config in ARMS[1:]:

@@ -30,13 +30,14 @@ SWEEP = [(4096, 128, 128), (4096, 128, 256), (4096, 128, 512), (4096, 128, 768),
          (4096, 64, 160), (4096, 64, 384), (4096, 64, 640), (4096, 64, 1152)]
 
 
-def causal_inputs(T, H, K):
+def causal_inputs(T, H, K, d=D, d_v=None):
     """The backward sweep's causal ids (bench.py: a window of 128 rows, then distinct pool rows
     p < t/4 of a pool of max(T/4, K) rows, -1 where it is short), seed 0, with out and lse
-    from the forward."""
+    from the forward; ``d``, ``d_v``: q and kv ``d`` wide, values the first ``d_v`` columns
+    (the 576/512 layout)."""
     from bench import make_inputs  # (benchmarks/ on the path)
-    q, kv, idx, sink = make_inputs(T, H, K, D, pool="causal", n_pool=max(T // 4, K))
-    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
+    q, kv, idx, sink = make_inputs(T, H, K, d, pool="causal", n_pool=max(T // 4, K))
+    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, d ** -0.5, None, d_v)
     return q, kv, idx, sink, torch.randn_like(out), out, lse
 
 
