@@ -144,18 +144,17 @@ def test_fold_tiles_give_the_same_bits_interpreted(monkeypatch, tile, H):
 
 def test_fold_by_entry_runs_where_rows_are_many(monkeypatch):
     """The fold by entry runs is the default beyond FOLD_RUNS_MIN_ROWS kv rows an SM, at
-    D = 512 and 576 (T = 131072's 163,840 rows on 132 SMs, not T = 32768's 40,960), not on
-    the CPU; FOLD_RUNS overrides the rule either way."""
+    any D (the rule takes none: D = 512 and 576 measured) (T = 131072's 163,840 rows on 132
+    SMs, not T = 32768's 40,960), not on the CPU; FOLD_RUNS overrides the rule either way."""
     from dsv4_sparse_attn.kernels import backward as kbwd
 
     assert kbwd.FOLD_RUNS is None and kbwd.FOLD_RUNS_MIN_ROWS == 512
-    assert kbwd.fold_runs(163840, 132, 512) and not kbwd.fold_runs(40960, 132, 512)
-    assert kbwd.fold_runs(163840, 132, 576) and not kbwd.fold_runs(40960, 132, 576)
-    assert not kbwd.fold_runs(163840, 0, 512)
+    assert kbwd.fold_runs(163840, 132) and not kbwd.fold_runs(40960, 132)
+    assert not kbwd.fold_runs(163840, 0)
     monkeypatch.setattr(kbwd, "FOLD_RUNS", True)
-    assert kbwd.fold_runs(10, 0, 576)
+    assert kbwd.fold_runs(10, 0)
     monkeypatch.setattr(kbwd, "FOLD_RUNS", False)
-    assert not kbwd.fold_runs(163840, 132, 512)
+    assert not kbwd.fold_runs(163840, 132)
 
 
 @pytest.mark.parametrize("config, H, D, chunks", [((8, 4, 2, True), 3, 64, 1), ((4, 4, 3, False), 70, 64, 1),

@@ -385,7 +385,7 @@ def fold_tile(N: int, n_sm: int) -> tuple[int, int, int]:
     return 4, 4, 4
 
 
-def fold_runs(N: int, n_sm: int, D: int) -> bool:
+def fold_runs(N: int, n_sm: int) -> bool:
     """Whether the deterministic fold is cut by entries (``_dkv_fold_runs_kernel``) rather
     than by kv rows (``_dkv_reduce_kernel``): ``FOLD_RUNS`` where set, else beyond
     ``FOLD_RUNS_MIN_ROWS`` kv rows an SM, at any D (measured at D = 512 and at 576, whose
@@ -487,7 +487,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         lengths = topk_length if topk_length is not None else indices
         rows_per_program, unroll, fold_warps = fold_tile(N, n_sm)
         block_d = fold_block_d(D, rows_per_program)
-        runs = fold_runs(N, n_sm, D)
+        runs = fold_runs(N, n_sm)
         runs_unroll, runs_warps, runs_per_sm, runs_preload = FOLD_RUNS_CONFIG
         runs_grid = max(1, n_sm) * runs_per_sm
         for c0 in range(0, n_chunks, group):
