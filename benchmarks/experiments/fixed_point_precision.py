@@ -9,7 +9,8 @@ entries, ``C_t = 2 H (max|dO_t| + scale max|q_t| (max||dO_t|| max||v|| + max|Del
 (the 2: rounding slack), with |P| <= 1. And exact fp32 sums: each piece rounded to a
 per-row grid ``2^(ceil(log2 U_r) - 22)`` (then fp32 adds are exact, in any order) from two
 tighter bounds, the slot's attention mass (``mass``) or S and dP (``tight``), in one fp32
-word (``f32grid``) or two (``f32grid2``: the residual on a finer grid), against the float64
+word (``f32grid``) or two (``f32grid2``: the residual on a finer grid), or in one s32 word on
+that bound's grid ``2^(ceil(log2 U_r) - 30)`` (``mass_s32``, ``tight_s32``), against the float64
 sum rounded to bf16 (``bf16_of_exact``): docs/performance/backward.md, "Exact fp32 sums on a
 per-row grid".
 
@@ -131,6 +132,13 @@ def main():
         lo_one = torch.zeros(N, D, dtype=torch.float32).index_add_(0, rows, lo)
         res[name + "_f32grid2_orders_bitwise_equal"] = bool(torch.equal(lo_sum, lo_one))
         report(name + "_f32grid2", one.double() + lo_one.double())
+        # one s32 word a value on this bound's grid: 2^(ceil(log2 U_r) - 30), every partial
+        # sum within 2^31 (wrapping adds: any order, the same bits)
+        g32 = torch.exp2(torch.ceil(torch.log2(u_m.clamp_min(1e-300))) - 30)
+        i32 = torch.round(vals / g32[rows, None]).to(torch.int64)
+        acc32 = torch.zeros(N, D, dtype=torch.int64).index_add_(0, rows, i32)
+        assert bool((acc32.abs() < 2**31).all())
+        report(name + "_s32", acc32.double() * g32[:, None])
     # what the output dtype costs anyway: the float64 sum rounded to bf16
     report("bf16_of_exact", exact.bfloat16().double())
     print(json.dumps(res))

@@ -1,0 +1,124 @@
+"""The op's host time by layer, in a steady state (calls queued back to back while the GPU
+is behind, as in training): each function on the call's path wrapped by a timer
+(inclusive time a call, and calls a call), for the forward and both backward modes.
+
+    PYTHONPATH=src:benchmarks:benchmarks/experiments \
+        python benchmarks/experiments/host_layers_bench.py out.jsonl
+
+(docs/performance/backward.md#host-time)
+"""
+import collections
+import json
+import sys
+import time
+
+import torch
+from triton.runtime import jit as _jit
+
+import dsv4_sparse_attn
+from dsv4_sparse_attn import ops
+from dsv4_sparse_attn.kernels import backward as _bwd
+from dsv4_sparse_attn.kernels import backward_gluon as _bg
+from dsv4_sparse_attn.kernels import dispatch
+from dsv4_sparse_attn.kernels import forward_gluon as _fg
+from bench import make_inputs
+
+ROWS = [(4096, 64, 640), (4096, 64, 160), (4096, 128, 1152)]
+acc = collections.defaultdict(lambda: [0.0, 0])
+
+
+def timed(name, fn):
+    def w(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            r = acc[name]
+            r[0] += time.perf_counter() - t0
+            r[1] += 1
+    return w
+
+
+def patch():
+    saved = []
+
+    def put(obj, attr, name):
+        saved.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, timed(name, getattr(obj, attr)))
+
+    put(ops, "_bwd_cuda", "ops._bwd_cuda")
+    put(ops, "_fwd_cuda", "ops._fwd_cuda")
+    put(ops, "check_backward", "check_backward")
+    put(ops, "check_forward", "check_forward")
+    put(dispatch, "backward", "dispatch.backward")
+    put(dispatch, "forward", "dispatch.forward")
+    put(dispatch, "choose", "dispatch.choose")
+    put(_bwd, "sparse_mla_bwd", "backward.sparse_mla_bwd")
+    put(_bwd, "sink_grad", "backward.sink_grad")
+    put(_bwd, "last_dim_contiguous", "last_dim_contiguous")
+    put(_bg, "launch", "backward_gluon.launch")
+    put(_bg, "_qd_descriptor", "_qd_descriptor")
+    put(_fg, "sparse_mla_fwd", "forward_gluon.sparse_mla_fwd")
+    for name in ("sort", "searchsorted", "zeros", "empty", "arange"):
+        put(torch, name, "torch." + name)
+    orig_run = _jit.JITFunction.run
+
+    def run(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return orig_run(self, *a, **k)
+        finally:
+            r = acc["jit " + self.fn.__name__]
+            r[0] += time.perf_counter() - t0
+            r[1] += 1
+    saved.append((_jit.JITFunction, "run", orig_run))
+    _jit.JITFunction.run = run
+    return saved
+
+
+def main():
+    rows = []
+    for T, H, K in ROWS:
+        D = 512
+        q, kv, idx, sink = make_inputs(T, H, K, D, pool="distinct", n_pool=max(T // 4, K))
+        scale = D ** -0.5
+        out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)
+        do = torch.randn_like(out)
+        bwd = lambda: torch.ops.dsv4.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale)  # noqa: E731
+        calls = {"fwd": (None, lambda: torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)),
+                 "fast": (False, bwd), "det": (True, bwd)}
+        for mode, (det, fn) in calls.items():
+            dsv4_sparse_attn.set_deterministic_backward(det)
+            n = 10 if det else 30
+            fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            plain = (time.perf_counter() - t0) * 1e6 / n
+            torch.cuda.synchronize()
+            acc.clear()
+            saved = patch()
+            try:
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                wrapped = (time.perf_counter() - t0) * 1e6 / n
+            finally:
+                for obj, attr, v in reversed(saved):
+                    setattr(obj, attr, v)
+            torch.cuda.synchronize()
+            r = dict(T=T, H=H, K=K, mode=mode, op_us=round(plain, 1), op_us_wrapped=round(wrapped, 1),
+                     layers={k: [round(v[0] * 1e6 / n, 1), v[1] / n] for k, v in
+                             sorted(acc.items(), key=lambda kv: -kv[1][0])})
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        dsv4_sparse_attn.set_deterministic_backward(None)
+        torch.cuda.empty_cache()
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()
