@@ -13,14 +13,13 @@ assumes Triton 3.6's specialisation rules). Checks that both give the same gradi
 import inspect
 import json
 import sys
-import time
 
 import torch
 from triton.runtime import driver
 from triton.runtime import jit as _jit
 
 import dsv4_sparse_attn
-from bench import make_inputs
+from host_gap_bench import case, steady_us, write_jsonl  # (this directory)
 
 ROWS = [(4096, 64, 640), (4096, 64, 160), (4096, 128, 1152)]
 _orig = _jit.JITFunction.run
@@ -58,25 +57,11 @@ def _direct(self, *args, grid, warmup, **kwargs):
     return ent
 
 
-def steady_us(fn, n):
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t = (time.perf_counter() - t0) * 1e6 / n
-    torch.cuda.synchronize()
-    return round(t, 1)
-
-
 def main():
     rows = []
     for T, H, K in ROWS:
         D = 512
-        q, kv, idx, sink = make_inputs(T, H, K, D, pool="distinct", n_pool=max(T // 4, K))
-        scale = D ** -0.5
-        out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)
-        do = torch.randn_like(out)
+        q, kv, idx, sink, scale, out, lse, do = case(T, H, K, D)
         bwd = lambda: torch.ops.dsv4.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale)  # noqa: E731
         fwd = lambda: torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)  # noqa: E731
         for mode, det, fn in (("fwd", None, fwd), ("fast", False, bwd), ("det", True, bwd)):
@@ -105,8 +90,7 @@ def main():
         dsv4_sparse_attn.set_deterministic_backward(None)
         torch.cuda.empty_cache()
     if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        write_jsonl(sys.argv[1], rows)
 
 
 if __name__ == "__main__":

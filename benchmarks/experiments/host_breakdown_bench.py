@@ -25,7 +25,7 @@ from dsv4_sparse_attn.kernels import backward as _bwd
 from dsv4_sparse_attn.kernels import backward_gluon as _bg
 from dsv4_sparse_attn.kernels import dispatch
 from dsv4_sparse_attn.validation import check_backward
-from bench import make_inputs
+from host_gap_bench import case, host_us, write_jsonl  # (this directory)
 
 ROWS = [(4096, 64, 640), (4096, 64, 160), (4096, 128, 1152)]
 N_CALLS = 30
@@ -51,25 +51,11 @@ def _timed_desc(x):
     return r
 
 
-def host_us(fn, n=N_CALLS):
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 def main():
     out_rows = []
     for T, H, K in ROWS:
         D = 512
-        q, kv, idx, sink = make_inputs(T, H, K, D, pool="distinct", n_pool=max(T // 4, K))
-        scale = D ** -0.5
-        out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)
-        do = torch.randn_like(out)
+        q, kv, idx, sink, scale, out, lse, do = case(T, H, K, D)
         p = check_backward(do, None, q, kv, out, lse, idx, sink, scale, None, None)
         arms = {
             "fwd op": lambda: torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale),
@@ -135,9 +121,7 @@ def main():
             print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
     if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            for r in out_rows:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(sys.argv[1], out_rows)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,33 @@ def host_us(fn, n=30):
     return statistics.median(times)
 
 
+def steady_us(fn, n=30):
+    """Host time a call with ``n`` calls queued back to back (the GPU behind, as in
+    training: the host's own rate, not its time to wake on an idle GPU)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = (time.perf_counter() - t0) * 1e6 / n
+    torch.cuda.synchronize()
+    return round(t, 1)
+
+
+def case(T, H, K, D=512):
+    """The host-time scripts' call: (q, kv, idx, sink, scale, out, lse, do) with distinct
+    pool ids, out and lse from the forward."""
+    q, kv, idx, sink = make_inputs(T, H, K, D, pool="distinct", n_pool=max(T // 4, K))
+    scale = D ** -0.5
+    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)
+    return q, kv, idx, sink, scale, out, lse, torch.randn_like(out)
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
 def graphed(fn):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -59,10 +86,7 @@ def main():
     print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
     for T, H, K in ROWS:
         D = 512
-        q, kv, idx, sink = make_inputs(T, H, K, D, pool="distinct", n_pool=max(T // 4, K))
-        out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
-        do = torch.randn_like(out)
-        scale = D ** -0.5
+        q, kv, idx, sink, scale, out, lse, do = case(T, H, K, D)
         bwd = lambda: torch.ops.dsv4.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale)  # noqa: E731
         row = dict(T=T, H=H, K=K)
         for mode, det in (("fast", False), ("det", True)):

@@ -21,7 +21,7 @@ from dsv4_sparse_attn.kernels import backward as _bwd
 from dsv4_sparse_attn.kernels import backward_gluon as _bg
 from dsv4_sparse_attn.kernels import dispatch
 from dsv4_sparse_attn.kernels import forward_gluon as _fg
-from bench import make_inputs
+from host_gap_bench import case, steady_us, write_jsonl  # (this directory)
 
 ROWS = [(4096, 64, 640), (4096, 64, 160), (4096, 128, 1152)]
 acc = collections.defaultdict(lambda: [0.0, 0])
@@ -80,44 +80,30 @@ def main():
     rows = []
     for T, H, K in ROWS:
         D = 512
-        q, kv, idx, sink = make_inputs(T, H, K, D, pool="distinct", n_pool=max(T // 4, K))
-        scale = D ** -0.5
-        out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)
-        do = torch.randn_like(out)
+        q, kv, idx, sink, scale, out, lse, do = case(T, H, K, D)
         bwd = lambda: torch.ops.dsv4.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale)  # noqa: E731
         calls = {"fwd": (None, lambda: torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)),
                  "fast": (False, bwd), "det": (True, bwd)}
         for mode, (det, fn) in calls.items():
             dsv4_sparse_attn.set_deterministic_backward(det)
             n = 10 if det else 30
-            fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            plain = (time.perf_counter() - t0) * 1e6 / n
-            torch.cuda.synchronize()
+            plain = steady_us(fn, n)
             acc.clear()
             saved = patch()
             try:
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                wrapped = (time.perf_counter() - t0) * 1e6 / n
+                wrapped = steady_us(fn, n)  # (the layers' timers count its warm-up call too)
             finally:
                 for obj, attr, v in reversed(saved):
                     setattr(obj, attr, v)
-            torch.cuda.synchronize()
-            r = dict(T=T, H=H, K=K, mode=mode, op_us=round(plain, 1), op_us_wrapped=round(wrapped, 1),
-                     layers={k: [round(v[0] * 1e6 / n, 1), v[1] / n] for k, v in
+            r = dict(T=T, H=H, K=K, mode=mode, op_us=plain, op_us_wrapped=wrapped,
+                     layers={k: [round(v[0] * 1e6 / (n + 1), 1), v[1] / (n + 1)] for k, v in
                              sorted(acc.items(), key=lambda kv: -kv[1][0])})
             rows.append(r)
             print(json.dumps(r), flush=True)
         dsv4_sparse_attn.set_deterministic_backward(None)
         torch.cuda.empty_cache()
     if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        write_jsonl(sys.argv[1], rows)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,7 @@ import pstats
 import torch
 
 import dsv4_sparse_attn
-from bench import make_inputs
-from host_gap_bench import host_us  # (this directory)
+from host_gap_bench import case, host_us  # (this directory)
 
 ROWS = [(4096, 64, 640), (4096, 64, 160), (4096, 128, 1152)]
 ROWS = [ROWS[int(i)] for i in os.environ.get("PROFILE_ROWS", "0,1,2").split(",")]
@@ -26,10 +25,7 @@ CALLS = 40
 def main():
     for T, H, K in ROWS:
         D = 512
-        q, kv, idx, sink = make_inputs(T, H, K, D, pool="distinct", n_pool=max(T // 4, K))
-        scale = D ** -0.5
-        out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)
-        do = torch.randn_like(out)
+        q, kv, idx, sink, scale, out, lse, do = case(T, H, K, D)
         fwd = lambda: torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)  # noqa: E731
         bwd = lambda: torch.ops.dsv4.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale)  # noqa: E731
         for name, fn, det in (("forward", fwd, None), ("fast", bwd, False), ("deterministic", bwd, True)):

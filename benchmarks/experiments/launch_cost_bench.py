@@ -23,7 +23,7 @@ from triton.runtime import jit as _jit
 
 import dsv4_sparse_attn
 from dsv4_sparse_attn.kernels import backward_gluon as _bg
-from bench import make_inputs
+from host_gap_bench import case, steady_us, write_jsonl  # (this directory)
 
 ROWS = [(4096, 64, 640), (4096, 64, 160), (4096, 128, 1152)]
 rows = []
@@ -42,18 +42,6 @@ def med_us(fn, n=200):
         fn()
         ts.append((time.perf_counter() - t0) * 1e6)
     return round(statistics.median(ts), 2)
-
-
-def steady_us(fn, n=40):
-    """Host time a call with calls queued back to back (the GPU behind)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t = (time.perf_counter() - t0) * 1e6 / n
-    torch.cuda.synchronize()
-    return round(t, 1)
 
 
 def run_steps(jf, args, kwargs, grid, shape):
@@ -102,10 +90,7 @@ def main():
     for T, H, K in ROWS:
         D = 512
         shape = f"H{H} K{K}"
-        q, kv, idx, sink = make_inputs(T, H, K, D, pool="distinct", n_pool=max(T // 4, K))
-        scale = D ** -0.5
-        out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)
-        do = torch.randn_like(out)
+        q, kv, idx, sink, scale, out, lse, do = case(T, H, K, D)
         bwd = lambda: torch.ops.dsv4.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale)  # noqa: E731
         fwd = lambda: torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale)  # noqa: E731
         dsv4_sparse_attn.set_deterministic_backward(False)
@@ -131,8 +116,7 @@ def main():
         emit(shape=shape, step="steady fwd op", us=steady_us(fwd))
         torch.cuda.empty_cache()
     if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        write_jsonl(sys.argv[1], rows)
 
 
 if __name__ == "__main__":
