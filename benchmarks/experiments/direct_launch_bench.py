@@ -8,7 +8,7 @@ assumes Triton 3.6's specialisation rules). Checks that both give the same gradi
     PYTHONPATH=src:benchmarks:benchmarks/experiments \
         python benchmarks/experiments/direct_launch_bench.py out.jsonl
 
-(docs/performance/backward.md#host-time)
+(docs/performance/backward.md#a-calls-host-time-taken-apart-measured)
 """
 import inspect
 import json

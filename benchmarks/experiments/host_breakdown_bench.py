@@ -6,14 +6,13 @@ the Gluon launch's TMA descriptors, and a launch through the compiled kernel's o
 
     PYTHONPATH=src:benchmarks:benchmarks/experiments python benchmarks/experiments/host_breakdown_bench.py
 
-(docs/performance/backward.md#host-time: host_path_profile.py's cProfile could not say
-what the custom op's wrapper costs.)
+(docs/performance/backward.md#a-calls-host-time-taken-apart-measured: host_path_profile.py's
+cProfile could not say what the custom op's wrapper costs.)
 """
 import collections
 import json
 import statistics
 import sys
-import time
 
 import torch
 import triton
@@ -25,30 +24,17 @@ from dsv4_sparse_attn.kernels import backward as _bwd
 from dsv4_sparse_attn.kernels import backward_gluon as _bg
 from dsv4_sparse_attn.kernels import dispatch
 from dsv4_sparse_attn.validation import check_backward
-from host_gap_bench import case, host_us, write_jsonl  # (this directory)
+from host_gap_bench import case, host_us, timed, write_jsonl  # (this directory)
 
 ROWS = [(4096, 64, 640), (4096, 64, 160), (4096, 128, 1152)]
 N_CALLS = 30
 
 _launch_us = collections.defaultdict(list)
 _orig_run = _jit.JITFunction.run
-
-
-def _timed_run(self, *args, **kwargs):
-    t0 = time.perf_counter()
-    r = _orig_run(self, *args, **kwargs)
-    _launch_us[self.fn.__name__].append((time.perf_counter() - t0) * 1e6)
-    return r
-
-
 _orig_desc = _bg._qd_descriptor
-
-
-def _timed_desc(x):
-    t0 = time.perf_counter()
-    r = _orig_desc(x)
-    _launch_us["_qd_descriptor"].append((time.perf_counter() - t0) * 1e6)
-    return r
+# each launch's own host time (JITFunction.run by kernel) and each descriptor's, us
+_timed_run = timed(_orig_run, lambda a, dt: _launch_us[a[0].fn.__name__].append(dt * 1e6))
+_timed_desc = timed(_orig_desc, lambda a, dt: _launch_us["_qd_descriptor"].append(dt * 1e6))
 
 
 def main():

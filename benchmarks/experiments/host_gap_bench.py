@@ -41,6 +41,17 @@ def host_us(fn, n=30):
     return statistics.median(times)
 
 
+def timed(fn, add):
+    """``fn`` wrapped: each call's wall time in seconds goes to ``add(args, seconds)``."""
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            add(args, time.perf_counter() - t0)
+    return wrapper
+
+
 def steady_us(fn, n=30):
     """Host time a call with ``n`` calls queued back to back (the GPU behind, as in
     training: the host's own rate, not its time to wake on an idle GPU)."""

@@ -5,12 +5,11 @@ is behind, as in training): each function on the call's path wrapped by a timer
     PYTHONPATH=src:benchmarks:benchmarks/experiments \
         python benchmarks/experiments/host_layers_bench.py out.jsonl
 
-(docs/performance/backward.md#host-time)
+(docs/performance/backward.md#a-calls-host-time-taken-apart-measured)
 """
 import collections
 import json
 import sys
-import time
 
 import torch
 from triton.runtime import jit as _jit
@@ -21,22 +20,16 @@ from dsv4_sparse_attn.kernels import backward as _bwd
 from dsv4_sparse_attn.kernels import backward_gluon as _bg
 from dsv4_sparse_attn.kernels import dispatch
 from dsv4_sparse_attn.kernels import forward_gluon as _fg
-from host_gap_bench import case, steady_us, write_jsonl  # (this directory)
+from host_gap_bench import case, steady_us, timed, write_jsonl  # (this directory)
 
 ROWS = [(4096, 64, 640), (4096, 64, 160), (4096, 128, 1152)]
 acc = collections.defaultdict(lambda: [0.0, 0])
 
 
-def timed(name, fn):
-    def w(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            r = acc[name]
-            r[0] += time.perf_counter() - t0
-            r[1] += 1
-    return w
+def _add(name, dt):
+    r = acc[name]
+    r[0] += dt
+    r[1] += 1
 
 
 def patch():
@@ -44,7 +37,7 @@ def patch():
 
     def put(obj, attr, name):
         saved.append((obj, attr, getattr(obj, attr)))
-        setattr(obj, attr, timed(name, getattr(obj, attr)))
+        setattr(obj, attr, timed(getattr(obj, attr), lambda a, dt: _add(name, dt)))
 
     put(ops, "_bwd_cuda", "ops._bwd_cuda")
     put(ops, "_fwd_cuda", "ops._fwd_cuda")
@@ -62,17 +55,8 @@ def patch():
     for name in ("sort", "searchsorted", "zeros", "empty", "arange"):
         put(torch, name, "torch." + name)
     orig_run = _jit.JITFunction.run
-
-    def run(self, *a, **k):
-        t0 = time.perf_counter()
-        try:
-            return orig_run(self, *a, **k)
-        finally:
-            r = acc["jit " + self.fn.__name__]
-            r[0] += time.perf_counter() - t0
-            r[1] += 1
     saved.append((_jit.JITFunction, "run", orig_run))
-    _jit.JITFunction.run = run
+    _jit.JITFunction.run = timed(orig_run, lambda a, dt: _add("jit " + a[0].fn.__name__, dt))
     return saved
 
 

@@ -9,7 +9,7 @@ is not idle at each call's start).
     PYTHONPATH=src:benchmarks:benchmarks/experiments \
         python benchmarks/experiments/launch_cost_bench.py out.jsonl
 
-(docs/performance/backward.md#host-time)
+(docs/performance/backward.md#a-calls-host-time-taken-apart-measured)
 """
 import json
 import statistics
