@@ -75,9 +75,11 @@ EVICT_LAST_MIN_L2 = 4
 # S and dP; 2: with P and dS double-buffered (16 KB more shared memory). D = 512 value
 # columns only (no score-only columns). Measured on the H200 under Triton 3.6
 # (docs/performance/backward.md#split-roles): fast mode 1-5% less time with 2, on by default
-# where its block loops reload no register (sm_90 builds: Triton 3.6 and 3.8; 3.7 reloads
-# 38 values a loop in one consumer, 3.9 17-20 in both); deterministic mode 9-14% more at
-# H = 128 (a head-block pair's programs wait on each other per block parity), off there;
+# where its block loops reloaded no register when measured (sm_90 builds: Triton 3.6 and
+# 3.8; 3.7 then reloaded 38 values a loop in one consumer, none at 084f569, not timed since;
+# 3.9 17-20 in both: docs/performance/backward.md#defaults-by-triton-version-static);
+# deterministic mode 9-14% more at H = 128 (a head-block pair's programs wait on each other
+# per block parity), off there;
 # at one head block (H <= 64) split 1 (no second P/dS buffer) 1.4-3.2% less at K >= 640,
 # with and without lengths (+1.0% / -0.6% at K = 160: off below SPLIT_DET_MIN_K), gradients
 # bitwise equal. ``launch(split=...)`` overrides all three.
