@@ -21,7 +21,8 @@
 #   bash benchmarks/gpu_session.sh triton-next  # GPU kernel tests and a quick bench under the
 #                                          # Triton unpacked from .t39/triton*.tar.xz (a stripped
 #                                          # cp312 wheel: benchmarks/pack_triton.sh; another
-#                                          # folder: TRITON_NEXT_TAR=.t38)
+#                                          # folder: TRITON_NEXT_TAR=.t38; an experiment
+#                                          # instead: TRITON_NEXT_BENCH=script.py)
 # bench and sweep write benchmarks/results/*.json; report.py then rewrites README.md's
 # performance section and docs/performance/bench.png. All three come back under $OUT
 # (results/, README.md, bench.png): copy them into the checkout and commit them. The device tool
@@ -262,7 +263,13 @@ triton-next)
   # table (about 9 minutes; TRITON_NEXT_PARTS="tests" or "bench" for one of the two, e.g.
   # in two calls); else the kernel tests and three rows of the table
   parts=${TRITON_NEXT_PARTS:-tests bench}
-  if [ "${TRITON_NEXT_FULL:-0}" = 1 ]; then
+  if [ -n "${TRITON_NEXT_BENCH:-}" ]; then
+    # an experiment under this Triton instead (a script in benchmarks/experiments/, next to
+    # cuDNN's backward), e.g. TRITON_NEXT_BENCH=triton_defaults_bench.py
+    timeout 120 bash .peers/cudnn_dsa/install.sh > "$OUT/cudnn_install.log" 2>&1
+    PYTHONPATH=$PYTHONPATH:/tmp/cudnn_site timeout ${TRITON_NEXT_BENCH_TIMEOUT:-480} python3 \
+      benchmarks/experiments/$TRITON_NEXT_BENCH .peers/cudnn_dsa 2>&1 | tee "$OUT/triton_next_bench.jsonl"
+  elif [ "${TRITON_NEXT_FULL:-0}" = 1 ]; then
     [[ $parts == *tests* ]] && timeout ${TRITON_NEXT_TESTS_TIMEOUT:-360} python3 -m pytest -q -rs -n ${TRITON_NEXT_JOBS:-12} -p no:cacheprovider tests/test_kernels_gpu.py tests/test_compile.py \
       tests/test_cuda_graphs.py tests/test_checkpointing.py tests/test_modules.py tests/test_export.py 2>&1 \
       | tail -15 | tee -a "$OUT/triton_next.log"

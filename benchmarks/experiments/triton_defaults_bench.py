@@ -1,0 +1,85 @@
+"""The Gluon backward's options that are on by default only under the Triton they were
+measured with (3.6; split roles also 3.8), timed under the running Triton: each against
+this Triton's defaults, both modes, A, B, A, B in one process, next to cuDNN's. For
+deciding another Triton's defaults (3.9 is what a fresh `pip install torch` brings: torch
+2.15 requires triton 3.9), run under it (`benchmarks/gpu_session.sh triton-next` with
+TRITON_NEXT_BENCH=triton_defaults_bench.py).
+
+    PYTHONPATH=src:/tmp/cudnn_site python benchmarks/experiments/triton_defaults_bench.py [PEER_DIR]
+
+Arms (``backward_gluon.launch`` overrides; "fast" and "det" are whatever this Triton runs):
+  dqtma        dQ staged in q's quarters and stored by TMA (3.6 default), this Triton's schedule
+  split1(_dq)  the blocks' roles split in time, P and dS single-buffered (with dQ by TMA)
+  split2_dq    split roles, P and dS double-buffered, dQ by TMA (3.6's fast default)
+  qdtma        K <= 256: q and dO by TMA (3.6 default there), this Triton's schedule;
+               split1_qd the same with split 1 (and the early release of q's quarters)
+  trans_dq     H <= 32: the small-head tiles transposed, split 2, dQ by TMA (3.6 default)
+  det_dqtma    deterministic with dQ by TMA (3.6 default)
+  det_split1   deterministic, one head block, K >= 512, split 1 (3.6 / 3.8 default)
+Checks first: every deterministic arm bitwise equal to this Triton's deterministic default,
+every fast arm's grad_q and grad_kv against it (relative error, printed).
+
+Prediction (sm_90 builds under 3.9.0, block-loop reloads fast / deterministic,
+docs/performance/backward.md#triton-39): 3.9's defaults (unsplit) reload 5-6 / 9 values a
+loop; dQ by TMA leaves them as they are and split 1 takes them to 4-5 (3-4 with dQ by
+TMA), split 2 to 17-20; the transposed small-head tiles reload none (5-6 for 3.9's unsplit
+tiles at H <= 32); the deterministic split 1 15-16. So: dqtma, split1_dq and trans_dq
+faster than 3.9's defaults by about what they gained under 3.6 (dQ by TMA 5-11 us a tile,
+the transposed tiles 3-6%), split2_dq and det_split1 slower.
+"""
+import json
+import os
+
+import torch
+
+import dsv4_sparse_attn  # noqa: F401
+import triton
+from dsv4_sparse_attn.kernels import backward as kbwd
+from dsv4_sparse_attn.kernels import backward_gluon
+from side_by_side import inputs, peer_bwd, relerr, time_arms  # (this directory)
+from side_by_side import cudnn_peer as load_peer
+
+D = 512
+cudnn_peer = load_peer()
+# SHAPES="T,H,K;..." to run fewer (a call has about 5 minutes for the script)
+shapes = [tuple(int(v) for v in s.split(",")) for s in os.environ.get("SHAPES", "").split(";") if s] or [
+    (4096, 64, 640), (4096, 128, 1152), (4096, 128, 512), (4096, 64, 160), (4096, 16, 1152), (4096, 32, 1152)]
+print(json.dumps(dict(triton=triton.__version__, split_roles=backward_gluon.SPLIT_ROLES,
+                      dq_tma=backward_gluon.DQ_TMA, qd_tma_max_k=backward_gluon.QD_TMA_MAX_K,
+                      small_h_transposed=backward_gluon.SMALL_H_TRANSPOSED)), flush=True)
+for T, H, K in shapes:
+    q, kv, idx, sink, do, out, lse = inputs(T, H, K, D)
+    scale = D ** -0.5
+    r = dict(T=T, H=H, K=K, triton=triton.__version__)
+
+    def run(det, **kw):
+        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon,
+                                   deterministic=det, **kw)
+
+    fast = {"fast": {}, "dqtma": dict(dq_tma=1), "split1": dict(split=1),
+            "split1_dq": dict(split=1, dq_tma=1)}
+    if H > 32:
+        fast["split2_dq"] = dict(split=2, dq_tma=1)
+    else:
+        fast["trans_dq"] = dict(split=2, transposed=True, dq_tma=1)
+    if K <= 256:
+        fast["qdtma"] = dict(qd_tma=True)
+        fast["split1_qd"] = dict(split=1, qd_tma=True)
+    det = {"det": {}, "det_dqtma": dict(dq_tma=1)}
+    if H <= 64 and K >= 512:
+        det["det_split1"] = dict(split=1)
+    ref = run(True)
+    for name, kw in det.items():
+        if kw:
+            r[f"{name}_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(ref, run(True, **kw)))
+    for name, kw in fast.items():
+        got = run(False, **kw)
+        r[f"{name}_err_dq"] = relerr(got[0].float(), ref[0].float())
+        r[f"{name}_err_dkv"] = relerr(got[1].float(), ref[1].float())
+    ref = got = None
+    fns = {name: (lambda kw=kw: run(False, **kw)) for name, kw in fast.items()}
+    fns.update({name: (lambda kw=kw: run(True, **kw)) for name, kw in det.items()})
+    time_arms(r, fns, 10 * T * H * K * D, peer_bwd(cudnn_peer, r, q, kv, idx, sink, scale, out, lse, do))
+    print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+    q = kv = idx = do = out = lse = fns = None
+    torch.cuda.empty_cache()
