@@ -344,6 +344,28 @@ def test_python_m_report_lists_lengths_and_the_v32_layout(fresh, monkeypatch):
     assert len(plain_576) == 3 * 3 and all(" reference " in line for line in plain_576), plain_576
 
 
+def test_python_m_report_says_which_backward_options_this_triton_runs(fresh, monkeypatch):
+    """The CUDA report names the Gluon backward's schedule options that are on under this
+    Triton, and says so when some of Triton 3.6's (the measured fastest) are off."""
+    from dsv4_sparse_attn import __main__ as cli
+    from dsv4_sparse_attn.kernels import hopper
+
+    monkeypatch.setattr(hopper, "not_sm90", lambda device: None)
+    props = SimpleNamespace(name="H200", major=9, minor=0, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    three_six = (("SPLIT_ROLES", 2), ("DQ_TMA", 1), ("QD_TMA_MAX_K", 256), ("SMALL_H_TRANSPOSED", True))
+    for name, value in three_six:
+        monkeypatch.setattr(backward_gluon, name, value)
+    line, = [x for x in cli.report(torch.device("cuda", 0)).splitlines() if x.startswith("Gluon backward")]
+    assert f"triton {triton.__version__}" in line and "dQ by TMA on" in line, line
+    assert "all of the options" in line, line
+    monkeypatch.setattr(backward_gluon, "DQ_TMA", 0)
+    monkeypatch.setattr(backward_gluon, "SPLIT_ROLES", 0)  # (the transposed tiles need split roles)
+    line, = [x for x in cli.report(torch.device("cuda", 0)).splitlines() if x.startswith("Gluon backward")]
+    assert "dQ by TMA off" in line and "transposed tiles at H <= 32 off" in line and "not timed" in line, line
+    assert "q and dO by TMA at K <= 256 on" in line, line
+
+
 def test_gluon_backward_loads_q_and_do_by_tma_only_where_tma_can_address_them():
     """``backward_gluon.QD_TMA`` loads [1, 64, 128] tiles of q and dO ([T, H, D]) by TMA: any
     H (heads past H come in as zeros) and any token and head strides, but the last dim must

@@ -51,10 +51,22 @@ def report(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
                 name = next(n for n, m, r in rows if r is None)
                 why = "; ".join(f"{n}: {r}" for n, m, r in rows if r)
                 lines.append(f"{op:<22} {d_label:>8} {label:>6}  {name:<12} {why}")
+    summary = _gluon_backward_options()
+    if summary:
+        lines.append(f"\nGluon backward (fast mode) under triton {triton.__version__}: {summary}")
     mode = "deterministic" if dispatch.deterministic_backward() else "fast"
     lines.append(f"\nbackward mode now: {mode} (dsv4_sparse_attn.set_deterministic_backward, "
                  "torch.use_deterministic_algorithms)")
     return "\n".join(lines)
+
+
+def _gluon_backward_options() -> str | None:
+    """What the Gluon backward's fast mode runs under this Triton (None: no Gluon here)."""
+    try:
+        from .kernels import backward_gluon
+    except ImportError:
+        return None
+    return backward_gluon.options_summary()
 
 
 def main(argv=None) -> None:

@@ -1324,6 +1324,20 @@ def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
     return 3 if _TRITON_39 else 2
 
 
+def options_summary() -> str:
+    """The fast backward's schedule options this Triton runs by default, and whether they are
+    all of those measured fastest (Triton 3.6's; the others are off under a Triton until
+    timed with it: docs/performance/backward.md#defaults-by-triton-version-static)."""
+    opts = [("split roles", SPLIT_ROLES == 2), ("dQ by TMA", bool(DQ_TMA)),
+            ("q and dO by TMA at K <= 256", QD_TMA_MAX_K >= 256),
+            ("transposed tiles at H <= 32", SMALL_H_TRANSPOSED and SPLIT_ROLES > 0)]
+    text = ", ".join(f"{name} {'on' if on else 'off'}" for name, on in opts)
+    if all(on for _, on in opts):
+        return f"{text} (all of the options measured fastest, under Triton 3.6)"
+    return (f"{text} (off: not timed under this Triton; all on under 3.6, whose figures the README "
+            "shows: docs/performance/backward.md#defaults-by-triton-version-static)")
+
+
 LAUNCH_CACHE = True  # ``launch`` takes ``cache``
 
 
