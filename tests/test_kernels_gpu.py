@@ -249,6 +249,16 @@ def test_gluon_backward_with_split_roles_matches_reference(monkeypatch, case, de
     check_backward(case, DEV, deterministic=deterministic, main=main)
 
 
+@pytest.mark.parametrize("case", [c for c in GLUON_BWD_CASES if c.H <= 64], ids=str)
+def test_gluon_backward_without_the_pairs_code_matches_reference(monkeypatch, case):
+    """The deterministic build of a launch without head-block pairs (one head block) with
+    their code left out (``backward_gluon.PAIRS_CODE`` False: Triton 3.9's default) and kept
+    (True: 3.6-3.8's): bitwise equal gradients, and against the float64 oracle."""
+    main = _gluon_bwd_or_skip(case.H)
+    _assert_det_bitwise(monkeypatch, main, case, {"PAIRS_CODE": True}, {"PAIRS_CODE": False})
+    check_backward(case, DEV, deterministic=True, main=main)
+
+
 # H <= 16 and <= 32: one block, many blocks, lengths, masked and duplicate ids
 _SMALL_H_CASES = [c for c in GLUON_BWD_CASES if c.H <= 32] + [
     Case(300, 32, 512, 900, 640, ids="deepseek", lengths=True),

@@ -154,8 +154,9 @@ def test_gluon_forward_v32_compiles_for_sm90(has_sink, has_len, dead):
 @pytest.mark.parametrize("red", [False, True], ids=["deterministic", "fast"])
 def test_gluon_backward_d512_compiles_for_sm90(red, has_len):
     """The Gluon main kernel of the backward (the default for D=512 on Hopper), both modes,
-    with and without per-token lengths."""
-    r = compile_backward_gluon(red=red, has_len=has_len)
+    with and without per-token lengths; the deterministic one as H = 128 builds it, with the
+    head-block pairs' code (test_gluon_backward_deterministic_pairs_code_only_where_pairs_run)."""
+    r = compile_backward_gluon(red=red, has_len=has_len, paired=not red)
     assert r["shared"] <= H200_SMEM_LIMIT, r
     assert r["wgmma"] > 0 and r["mma_sync"] == 0, r
     # Short of registers, ptxas serialises every wgmma (info C7512): a loop-invariant
@@ -169,7 +170,7 @@ def test_gluon_backward_d512_compiles_for_sm90(red, has_len):
     # once the P/dS descriptors stopped spilling;
     # docs/performance/backward.md#spill-reloads-behind-the-dkv-stores).
     assert len(r["mma_loops"]) == 2, r["mma_loops"]  # one block loop per consumer
-    assert all(lp["LDL"] <= _reload_allowance(red, has_len) for lp in r["mma_loops"]), r["mma_loops"]
+    assert all(lp["LDL"] <= _reload_allowance(red, has_len, not red) for lp in r["mma_loops"]), r["mma_loops"]
     # Each consumer's half of a block's dKV rows (64 slots x 256 columns, 128 threads) goes
     # out 16 bytes at a time, in fake column order: 32 reductions a thread in the fast mode;
     # in the deterministic one 32 stores (two code paths: plain and streaming) and, for a
@@ -199,22 +200,51 @@ def test_gluon_backward_split_roles_compiles_for_sm90(red, has_len, split):
     sends all its dKV rows (64 slots x 512 columns: 64 16-byte reductions a thread in its
     loop; in the deterministic mode also 128 stores, plain and streaming), with P and dS
     single- or double-buffered (``split`` 1 or 2). Under 3.9 the fast mode with one buffer
-    reloads as the shipped schedule does (4-6 a loop), the deterministic one more (15-18
-    against 9-10), and with two buffers (their indices computed at run time) 17-20 and 31:
-    a ratchet until they are timed. (Under 3.7 the fast mode with two buffers and no
-    lengths reloaded 38 values in one consumer's loop when the split roles were measured,
-    so 3.7 kept the unsplit schedule; none at 084f569.)"""
+    reloads as the shipped schedule does (4-6 a loop), the deterministic one too (3-4, one
+    head block: the pairs' code compiled out; 15-18 with it), and with two buffers (their
+    indices computed at run time) 17-20 and 25-28: a ratchet until they are timed. (Under
+    3.7 the fast mode with two buffers and no lengths reloaded 38 values in one consumer's
+    loop when the split roles were measured, so 3.7 kept the unsplit schedule; none at
+    084f569.)"""
     r = compile_backward_gluon(red=red, has_len=has_len, split=split)
     assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
     assert r["spill_bytes"] <= 1024, r
     assert len(r["mma_loops"]) == 2, r["mma_loops"]
     allowance = _reload_allowance(red, has_len)
-    if allowance and (split == 2 or not red):  # (Triton 3.9; runtime buffer indices with split 2)
-        allowance = {(1, False): 16, (2, True): 20, (2, False): 31}[split, red] + 2 * has_len
+    if allowance and split == 2:  # (Triton 3.9: runtime buffer indices)
+        allowance = {True: 20, False: 31}[red] + 2 * has_len
     assert all(lp["LDL"] <= allowance for lp in r["mma_loops"]), r["mma_loops"]
-    assert all(lp["REDG4"] == 64 for lp in r["mma_loops"]), r["mma_loops"]
+    # (the deterministic mode's reductions: a head-block pair's follower's, whose code a
+    # build for one head block leaves out under 3.9: backward_gluon._pairs_code)
+    from dsv4_sparse_attn.kernels import backward_gluon
+    want = 64 if red or backward_gluon._pairs_code(False, True) else 0
+    assert all(lp["REDG4"] == want for lp in r["mma_loops"]), r["mma_loops"]
     if not red:
         assert all(lp["STG"] == 128 for lp in r["mma_loops"]), r["mma_loops"]
+
+
+@pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])
+def test_gluon_backward_deterministic_pairs_code_only_where_pairs_run(has_len):
+    """The deterministic build of a launch with head-block pairs (H = 128) holds their code
+    (a follower adds its rows to the leader's with 16-byte reductions: 32 a block loop);
+    without pairs (one head block) Triton 3.9's build leaves it out (no reduction in its
+    loops, 3 reloads a loop against 9; ``backward_gluon._pairs_code``), and 3.6-3.8 build
+    the same kernel for both (their measured builds: the same PTX)."""
+    from dsv4_sparse_attn.kernels import backward_gluon
+
+    split = backward_gluon._split(True, None, 1, 1024)
+    paired = compile_backward_gluon(red=False, has_len=has_len, split=split, paired=True)
+    single = compile_backward_gluon(red=False, has_len=has_len, split=split)
+    for r in (paired, single):
+        assert r["wgmma_serialized"] is False and len(r["mma_loops"]) == 2, r
+    assert all(lp["REDG4"] > 0 for lp in paired["mma_loops"]), paired["mma_loops"]
+    assert all(lp["LDL"] <= _reload_allowance(False, has_len, paired=True) for lp in paired["mma_loops"])
+    if TRITON_VERSION < (3, 9):
+        assert single["ptx_sha"] == paired["ptx_sha"]
+        return
+    assert all(lp["REDG4"] == 0 for lp in single["mma_loops"]), single["mma_loops"]
+    allowance = _reload_allowance(False, has_len)
+    assert all(lp["LDL"] <= allowance for lp in single["mma_loops"]), single["mma_loops"]
 
 
 @pytest.mark.parametrize("split", [0, 2], ids=["unsplit", "double"])
@@ -336,7 +366,7 @@ def test_gluon_backward_transposed_small_head_tiles_compile_for_sm90(hp, dq_tma)
     assert r["tma_stores"] == 4 * dq_tma, r["tma_stores"]
 
 
-def _reload_allowance(red: bool, has_len: bool = False) -> int:
+def _reload_allowance(red: bool, has_len: bool = False, paired: bool = False) -> int:
     """Spill reloads allowed in a block loop: none up to Triton 3.8. Triton 3.9's register
     allocation keeps more 64-bit address values alive across the loop (deterministic /
     fast: 30 / 46 reloads per loop before the loop-variant ids bound of 39cd173, 13 / 28-29
@@ -345,12 +375,13 @@ def _reload_allowance(red: bool, has_len: bool = False) -> int:
     stores, 12-13 / 7-8 with the block loop's counter opaque to LLVM, 11 / 7-8 with an
     int32 partial-row block index, 11 / 6-7 with the ids bounds plain again, 10 / 5-6 with a
     thread's second dKV row formed from its first, 9 / 5-6 with one partial-row index for the
-    block and the slot); a ratchet on today's counts, whose cost on the H200 is in
-    docs/performance/backward.md#triton-39. With lengths, one more: the token's clamped
-    length, a computed value where K is a kernel argument."""
+    block and the slot; the deterministic 3 at one head block, the head-block pairs' code
+    compiled out: backward_gluon._pairs_code); a ratchet on today's counts, whose cost on the
+    H200 is in docs/performance/backward.md#triton-39. With lengths, one more: the token's
+    clamped length, a computed value where K is a kernel argument."""
     if TRITON_VERSION < (3, 9):
         return 0
-    return (6 if red else 9) + has_len
+    return (6 if red else 9 if paired else 3) + has_len
 
 
 def test_wgmma_accumulator_layout_is_what_the_reductions_assume():

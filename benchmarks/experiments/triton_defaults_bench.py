@@ -16,16 +16,20 @@ Arms (``backward_gluon.launch`` overrides; "fast" and "det" are whatever this Tr
   trans_dq     H <= 32: the small-head tiles transposed, split 2, dQ by TMA (3.6 default)
   det_dqtma    deterministic with dQ by TMA (3.6 default)
   det_split1   deterministic, one head block, K >= 512, split 1 (3.6 / 3.8 default)
+  det_pairs    deterministic, one head block, its build with the head-block pairs' code
+               (``pairs_code=True``: 3.9's build before 2026-12-05; the same build elsewhere)
 Checks first: every deterministic arm bitwise equal to this Triton's deterministic default,
 every fast arm's grad_q and grad_kv against it (relative error, printed).
 
 Prediction (sm_90 builds under 3.9.0, block-loop reloads fast / deterministic,
-docs/performance/backward.md#triton-39): 3.9's defaults (unsplit) reload 5-6 / 9 values a
-loop; dQ by TMA leaves them as they are and split 1 takes them to 4-5 (3-4 with dQ by
-TMA), split 2 to 17-20; the transposed small-head tiles reload none (5-6 for 3.9's unsplit
-tiles at H <= 32); the deterministic split 1 15-16. So: dqtma, split1_dq and trans_dq
+docs/performance/backward.md#defaults-by-triton-version-static): 3.9's defaults (unsplit)
+reload 5-6 / 3 values a loop (9 at H = 128, with the head-block pairs); dQ by TMA leaves
+them as they are and split 1 takes the fast mode's to 4-5 (3-4 with dQ by TMA), split 2
+to 17-20; the transposed small-head tiles reload none (5-6 for 3.9's unsplit tiles at
+H <= 32); the deterministic split 1 3. So: dqtma, split1_dq, trans_dq and det_split1
 faster than 3.9's defaults by about what they gained under 3.6 (dQ by TMA 5-11 us a tile,
-the transposed tiles 3-6%), split2_dq and det_split1 slower.
+the transposed tiles 3-6%, the deterministic split 1 1.4-3.2%), split2_dq slower. Under
+3.7 and 3.8, whose builds of every arm reload nothing, each arm gains what it did under 3.6.
 """
 import json
 import os
@@ -68,6 +72,8 @@ for T, H, K in shapes:
     det = {"det": {}, "det_dqtma": dict(dq_tma=1)}
     if H <= 64 and K >= 512:
         det["det_split1"] = dict(split=1)
+    if H <= 64:  # the head-block pairs' code kept (the build before it was left out under 3.9)
+        det["det_pairs"] = dict(pairs_code=True)
     ref = run(True)
     for name, kw in det.items():
         if kw:

@@ -137,6 +137,10 @@ SPLIT_REMAINDER = True
 # (docs/performance/backward.md#small-head-tiles-transposed-kept); on where measured. (Not
 # the deterministic mode: its build at H <= 16 serialises the wgmmas, sm_90, Triton 3.6.)
 SMALL_H_TRANSPOSED = TRITON_VERSION == (3, 6)
+# Whether a launch without head-block pairs builds their code anyway (``_pairs_code``):
+# None, the rule (left out of the deterministic D = 512 build under Triton 3.9 only); True
+# or False forces it (``launch(pairs_code=...)`` for one launch).
+PAIRS_CODE = None
 
 
 # mbarrier slots
@@ -358,7 +362,8 @@ def _tile_blocks(LEN, pid_t, K, b0, nb_u, bcount, HAS_LEN: gl.constexpr):
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr,
               EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr, DQ_TMA: gl.constexpr,
-              ABL: gl.constexpr, HP: gl.constexpr, TRANS: gl.constexpr, PARTS: gl.constexpr):
+              ABL: gl.constexpr, HP: gl.constexpr, TRANS: gl.constexpr, PARTS: gl.constexpr,
+              PAIRS: gl.constexpr = True):
     io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired, units = args
     H, N, K = sizes
     IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP = io
@@ -389,11 +394,11 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
         elif SPLIT:
             _consume_tile_split(io_u, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t,
                                 pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT,
-                                EARLY, DQ_TMA, ABL, HP, PARTS)
+                                EARLY, DQ_TMA, ABL, HP, PARTS, PAIRS)
         else:
             _consume_tile(io_u, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t,
                           pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST,
-                          DQ_TMA, ABL, HP, PARTS)
+                          DQ_TMA, ABL, HP, PARTS, PAIRS)
         if ABL & 16:
             _stamp(TR, n_tiles, rank, tcount, _EV_C_END + 4 * WG, ABL)
         tcount += 1
@@ -441,11 +446,16 @@ def _tile_start(LSE, DELTA, IDX, H, pid_t, pid_h, stride_lt, stride_it, ABL: gl.
 
 
 @gluon.jit
-def _pair_roles(FLAGS, paired, pid_c, pid_h, n_hb, nb, offs_ks, RED: gl.constexpr):
+def _pair_roles(FLAGS, paired, pid_c, pid_h, n_hb, nb, offs_ks, RED: gl.constexpr,
+                PAIRS: gl.constexpr = True):
     """A tile's part in a head-block pair (deterministic path; see ``_consume_tile``):
     ``follower``, ``leader``, the partial rows of my slots in the tile's first block
-    (``slot0``) and the pair's flag words (``flag_base``: + consumer or block parity)."""
-    pairs = (paired != 0) & (RED < 3)
+    (``slot0``) and the pair's flag words (``flag_base``: + consumer or block parity).
+    Without ``PAIRS`` (and in the fast mode's RED 3) the pairs' code is compiled out."""
+    if PAIRS:
+        pairs = (paired != 0) & (RED < 3)
+    else:
+        pairs = (paired != 0) & False
     follower = pairs & (pid_h % 2 == 1)
     leader = pairs & (pid_h % 2 == 0)
     n_part = n_hb // (1 + paired)
@@ -614,7 +624,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
                         tcount, paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr,
                         EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr,
                         DQ_TMA: gl.constexpr, ABL: gl.constexpr, HP: gl.constexpr,
-                        PARTS: gl.constexpr = False):
+                        PARTS: gl.constexpr = False, PAIRS: gl.constexpr = True):
     """One (token, 64-head block) tile of consumer ``WG``, the block's roles split in time:
     the owner of block g (g % 2 == WG) computes S, dP, P and dS, both consumers add dS KV
     to their halves of dQ, and then the owner forms all of the block's dKV rows (8 pieces
@@ -649,7 +659,8 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     dq0 = dq_zero
     dq1 = dq_zero
     # head-block pairs (deterministic path): see _consume_tile
-    follower, leader, slot0, flag_base = _pair_roles(FLAGS, paired, pid_c, pid_h, n_hb, nb, offs_ks, RED)
+    follower, leader, slot0, flag_base = _pair_roles(FLAGS, paired, pid_c, pid_h, n_hb, nb, offs_ks, RED,
+                                                     PAIRS)
     # + block parity: the leader's published blocks, the follower's added blocks
     done_base = flag_base + n_tiles
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
@@ -971,7 +982,7 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
 def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb, tcount,
                   paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr,
                   ROPE: gl.constexpr, EVICT_LAST: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr,
-                  HP: gl.constexpr, PARTS: gl.constexpr = False):
+                  HP: gl.constexpr, PARTS: gl.constexpr = False, PAIRS: gl.constexpr = True):
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1): slot blocks 0..nb_t-1
     (the first of them the barriers' ``g0``-th), ids past slot ``k_end`` masked; ``nb``
     blocks per token in the partial-row buffer."""
@@ -1021,7 +1032,8 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     # code goes: under Triton 3.9 that leaves 5-6 spill reloads per block loop instead of
     # 50-51 (17-19 against 56 before the opaque block counter); under 3.6-3.7 it adds one,
     # so RED = 2 keeps them, as runtime zeros.)
-    follower, leader, slot0, flag_base = _pair_roles(FLAGS, paired, pid_c, pid_h, n_hb, nb, offs_ks, RED)
+    follower, leader, slot0, flag_base = _pair_roles(FLAGS, paired, pid_c, pid_h, n_hb, nb, offs_ks, RED,
+                                                     PAIRS)
     flag_ptr = flag_base + WG
     done_ptr = flag_ptr + n_tiles  # the follower's count of added blocks
     pace = leader & (gl.atomic_add(FLAGS, 0, sem="relaxed", scope="gpu") > rank + 1)
@@ -1165,6 +1177,7 @@ def _bwd_main_gluon_kernel(
     HP: gl.constexpr = 64,
     TRANS: gl.constexpr = False,
     PARTS: gl.constexpr = False,
+    PAIRS: gl.constexpr = True,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
@@ -1242,37 +1255,37 @@ def _bwd_main_gluon_kernel(
     if ROPE > 0:
         gl.warp_specialize([(_producer_rope, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS)),
+                                         HP, TRANS, PARTS, PAIRS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS))],
+                                         HP, TRANS, PARTS, PAIRS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 2:
         gl.warp_specialize([(_producer_qd_early2, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS)),
+                                         HP, TRANS, PARTS, PAIRS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS))],
+                                         HP, TRANS, PARTS, PAIRS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 3:
         gl.warp_specialize([(_producer_qd_early3, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS)),
+                                         HP, TRANS, PARTS, PAIRS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS))],
+                                         HP, TRANS, PARTS, PAIRS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_TMA:
         gl.warp_specialize([(_producer_qd_tma, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS)),
+                                         HP, TRANS, PARTS, PAIRS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS))],
+                                         HP, TRANS, PARTS, PAIRS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     else:
         gl.warp_specialize([(_producer, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS)),
+                                         HP, TRANS, PARTS, PAIRS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS))],
+                                         HP, TRANS, PARTS, PAIRS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
@@ -1344,7 +1357,7 @@ LAUNCH_CACHE = True  # ``launch`` takes ``cache``
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, tokens=None, lines=None, order=None, evict_last=None,
            split=None, qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None, head_pad=None,
-           transposed=None, cache=None, split_remainder=None):
+           transposed=None, cache=None, split_remainder=None, pairs_code=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -1361,6 +1374,8 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     SM's cycle counter at the events of ``TRACE_EVENTS`` (benchmarks/experiments/tile_timeline.py;
     ``ablate`` 32 with it: the global timer in ns instead, benchmarks/experiments/clock_bench.py).
     ``head_pad``: the heads the dKV products contract over (16, 32 or 64; ``_head_pad``).
+    ``pairs_code``: whether a deterministic launch without head-block pairs keeps their code
+    (``_pairs_code``).
     ``cache``: a dict kept over the chunks of one call (empty at the first): the launch's
     TMA descriptors and rope scratch are made once a call, not once a chunk (host time: a
     call at K = 2048 is 32 chunks)."""
@@ -1423,6 +1438,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         EVICT_LAST=_evict_last(N, D, q.device, evict_last) and partial is None,
         ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma, ABL=int(ablate),
         HP=hp, TRANS=trans, PARTS=n_units > n_full,
+        PAIRS=_pairs_code(paired, partial is not None, rope, pairs_code),
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
     if n_units > n_full:  # the remainder tiles' dQ: their parts summed in order
@@ -1526,6 +1542,24 @@ def _split(deterministic: bool, split, n_hb: int = 1, K: int = 0) -> int:
         else:
             split = SPLIT_ROLES_DET
     return int(split)
+
+
+def _pairs_code(paired: bool, deterministic: bool, rope: int = 0, pairs_code=None) -> bool:
+    """The kernel's ``PAIRS``: whether its build holds the head-block pairs' code. A paired
+    launch needs it; the fast mode compiles it out through ``red_mode`` under 3.9; a
+    deterministic launch without pairs (one head block: H <= 64) at D = 512 compiles it out
+    under Triton 3.9, whose ptxas then reloads 3 values a block loop instead of 9 (4 with
+    lengths; split 1: 3 instead of 15-16; sm_90 builds, not timed yet:
+    docs/performance/backward.md#defaults-by-triton-version-static). Not at 576/512, whose
+    3.9 build then serialises its wgmmas, nor under 3.6-3.8, whose builds stay as measured
+    (the same PTX). ``pairs_code`` (default ``PAIRS_CODE``) overrides it where the launch
+    has no pairs."""
+    if paired:
+        return True
+    want = PAIRS_CODE if pairs_code is None else pairs_code
+    if want is not None:
+        return bool(want)
+    return not (deterministic and rope == 0 and _TRITON_39)
 
 
 def _evict_last(N: int, D: int, device, evict_last) -> bool:
