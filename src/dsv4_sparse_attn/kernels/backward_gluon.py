@@ -674,8 +674,8 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
         ph = g & 1
         z = j >> 31  # 0, unknown to the compiler (see _consume_tile)
         mine = g % 2 == WG
-        pb, pph, ready, free = _pds_slot(bars, g, z, SPLIT)
         if mine:  # my block: S, dP, P and dS
+            pb, pph, ready, free = _pds_slot(bars, g, z, SPLIT, WG)
             ids = load_ids(idx_row, j * _BK, k_end, offs_c)
             p, ds = _scores(q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars, z, ph, ids, N, s_zero, scale,
                             scale_log2, lse2, row_ok, delta, 0)
@@ -686,6 +686,8 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
             ds_smem.index(pb).store(ds.to(dtype))
             fence_async_shared()
             mbarrier.arrive(ready)
+        else:
+            pb, pph, ready, free = _pds_slot(bars, g, z, SPLIT, 1 - WG)
 
         mbarrier.wait(ready, pph)
         # dQ[:, my half] += dS KV[:, my half] (scale is folded into dS).
@@ -694,6 +696,8 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
         dq0, dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, dq1))
         mbarrier.arrive(bars.index(_KV_FREE + WG))  # my kv half: the next block's gather may start
         if mine:
+            # (again: the values after the branches above are runtime, in here constants)
+            pb, pph, ready, free = _pds_slot(bars, g, z, SPLIT, WG)
             # All of the block's dKV rows: P^T dO + dS^T Q, 64 columns at a time, each piece
             # sent while the next one's wgmma runs.
             offs_kz = _row_pair(offs_ks + z)
@@ -735,15 +739,23 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
 
 
 @gluon.jit
-def _pds_slot(bars, g, z, SPLIT: gl.constexpr):
+def _pds_slot(bars, g, z, SPLIT: gl.constexpr, OWNER: gl.constexpr = -1):
     """Where block g's P and dS go in the split schedules: (buffer, its barriers' phase, the
-    ready and free barriers). SPLIT 2: buffer g % 2, its phase per buffer; 1: one buffer.
+    ready and free barriers). SPLIT 2: buffer g % 2 (``OWNER`` where the caller knows it: the
+    consumer that owns block g; constant buffer and barrier addresses, which under Triton 3.9
+    leave 4-5 reloads a block loop instead of 17-20), its phase per buffer; 1: one buffer.
     (``z``: 0, unknown to the compiler: see _consume_tile.)"""
     if SPLIT == 2:
-        pb = (g & 1) + z
-        pph = (g >> 1) & 1
-        ready = bars.index(_PDS2_READY + (g & 1))
-        free = bars.index(_PDS2_FREE + (g & 1))
+        if OWNER < 0:
+            pb = (g & 1) + z
+            pph = (g >> 1) & 1
+            ready = bars.index(_PDS2_READY + (g & 1))
+            free = bars.index(_PDS2_FREE + (g & 1))
+        else:
+            pb = OWNER + z
+            pph = (g >> 1) & 1
+            ready = bars.index(_PDS2_READY + OWNER)
+            free = bars.index(_PDS2_FREE + OWNER)
     else:
         pb = z
         pph = g & 1
