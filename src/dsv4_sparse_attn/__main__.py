@@ -62,11 +62,8 @@ def report(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
 
 def _gluon_backward_options() -> str | None:
     """What the Gluon backward's fast mode runs under this Triton (None: no Gluon here)."""
-    try:
-        from .kernels import backward_gluon
-    except ImportError:
-        return None
-    return backward_gluon.options_summary()
+    mod, _ = dispatch.kernel_module("backward_gluon")
+    return mod.options_summary() if mod is not None else None
 
 
 def main(argv=None) -> None:

@@ -138,8 +138,8 @@ SPLIT_REMAINDER = True
 # the deterministic mode: its build at H <= 16 serialises the wgmmas, sm_90, Triton 3.6.)
 SMALL_H_TRANSPOSED = TRITON_VERSION == (3, 6)
 # Whether a launch without head-block pairs builds their code anyway (``_pairs_code``):
-# None, the rule (left out of the deterministic D = 512 build under Triton 3.9 only); True
-# or False forces it (``launch(pairs_code=...)`` for one launch).
+# None, the rule (left out under Triton 3.9 only, but for the deterministic 576/512 build);
+# True or False forces it (``launch(pairs_code=...)`` for one launch).
 PAIRS_CODE = None
 
 
@@ -451,9 +451,9 @@ def _pair_roles(FLAGS, paired, pid_c, pid_h, n_hb, nb, offs_ks, RED: gl.constexp
     """A tile's part in a head-block pair (deterministic path; see ``_consume_tile``):
     ``follower``, ``leader``, the partial rows of my slots in the tile's first block
     (``slot0``) and the pair's flag words (``flag_base``: + consumer or block parity).
-    Without ``PAIRS`` (and in the fast mode's RED 3) the pairs' code is compiled out."""
+    Without ``PAIRS`` the pairs' code is compiled out."""
     if PAIRS:
-        pairs = (paired != 0) & (RED < 3)
+        pairs = paired != 0
     else:
         pairs = (paired != 0) & False
     follower = pairs & (pid_h % 2 == 1)
@@ -1040,10 +1040,10 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     # needs only the leader's block j-1: no cycle. The leader waits only once its partner
     # program has taken its ticket (so is running, and waits on no one but this leader):
     # no deadlock even if not all the kernel's programs are resident at once.
-    # (pairs are a partial-row path only. RED = 3 folds their flags to constants, so their
-    # code goes: under Triton 3.9 that leaves 5-6 spill reloads per block loop instead of
-    # 50-51 (17-19 against 56 before the opaque block counter); under 3.6-3.7 it adds one,
-    # so RED = 2 keeps them, as runtime zeros.)
+    # (pairs are a partial-row path only. PAIRS False folds their flags to constants, so their
+    # code goes: under Triton 3.9 that leaves 5-6 spill reloads per fast-mode block loop
+    # instead of 50-51 (17-19 against 56 before the opaque block counter); under 3.6-3.7 it
+    # adds one, so there the flags stay runtime zeros: backward_gluon._pairs_code.)
     follower, leader, slot0, flag_base = _pair_roles(FLAGS, paired, pid_c, pid_h, n_hb, nb, offs_ks, RED,
                                                      PAIRS)
     flag_ptr = flag_base + WG
@@ -1338,15 +1338,12 @@ def flags_per_chunk(n_tok: int, n_hb: int) -> int:
 
 def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
     """The kernel's RED constexpr: 0 partial rows (deterministic); fast mode: 1 half-line
-    reductions, 2 whole lines, 3 whole lines with the head-block pairs' code compiled out
-    (what Triton 3.9 allocates registers best for: 5-6 spill reloads per block loop against
-    50-51 with whole lines and the pairs' code, 17-19 against 56 before the opaque block
-    counter, 28-29 with half lines then; under 3.6-3.8 RED = 2 has none)."""
+    reductions, 2 whole lines."""
     if partial_rows:
         return 0
     if not (RED_LINES if lines is None else lines):
         return 1
-    return 3 if _TRITON_39 else 2
+    return 2
 
 
 def options_summary() -> str:
@@ -1386,7 +1383,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     SM's cycle counter at the events of ``TRACE_EVENTS`` (benchmarks/experiments/tile_timeline.py;
     ``ablate`` 32 with it: the global timer in ns instead, benchmarks/experiments/clock_bench.py).
     ``head_pad``: the heads the dKV products contract over (16, 32 or 64; ``_head_pad``).
-    ``pairs_code``: whether a deterministic launch without head-block pairs keeps their code
+    ``pairs_code``: whether a launch without head-block pairs keeps their code
     (``_pairs_code``).
     ``cache``: a dict kept over the chunks of one call (empty at the first): the launch's
     TMA descriptors and rope scratch are made once a call, not once a chunk (host time: a
@@ -1558,20 +1555,20 @@ def _split(deterministic: bool, split, n_hb: int = 1, K: int = 0) -> int:
 
 def _pairs_code(paired: bool, deterministic: bool, rope: int = 0, pairs_code=None) -> bool:
     """The kernel's ``PAIRS``: whether its build holds the head-block pairs' code. A paired
-    launch needs it; the fast mode compiles it out through ``red_mode`` under 3.9; a
-    deterministic launch without pairs (one head block: H <= 64) at D = 512 compiles it out
-    under Triton 3.9, whose ptxas then reloads 3 values a block loop instead of 9 (4 with
-    lengths; split 1: 3 instead of 15-16; sm_90 builds, not timed yet:
-    docs/performance/backward.md#defaults-by-triton-version-static). Not at 576/512, whose
-    3.9 build then serialises its wgmmas, nor under 3.6-3.8, whose builds stay as measured
-    (the same PTX). ``pairs_code`` (default ``PAIRS_CODE``) overrides it where the launch
-    has no pairs."""
+    launch needs it (the deterministic mode at two head blocks); under Triton 3.9 every
+    other build leaves it out: the fast mode's block loops then reload 5-6 values instead of
+    50-51, the deterministic mode's at one head block 3 instead of 9 (4 with lengths; split
+    1: 3 instead of 15-16; the latter timed: docs/performance/backward.md#defaults-by-triton-version-static).
+    Not the deterministic 576/512 build, which without it serialises its wgmmas under 3.9,
+    nor under 3.6-3.8, whose builds stay as measured (with the pairs' flags runtime zeros;
+    one more reload a loop under 3.6-3.7 without them). ``pairs_code`` (default
+    ``PAIRS_CODE``) overrides it where the launch has no pairs."""
     if paired:
         return True
     want = PAIRS_CODE if pairs_code is None else pairs_code
     if want is not None:
         return bool(want)
-    return not (deterministic and rope == 0 and _TRITON_39)
+    return not (_TRITON_39 and (rope == 0 or not deterministic))
 
 
 def _evict_last(N: int, D: int, device, evict_last) -> bool:

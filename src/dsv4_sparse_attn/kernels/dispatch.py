@@ -83,8 +83,9 @@ _NAMES = {"forward_gluon": "gluon_sm90", "forward_triton": "triton", "backward_g
           "backward_triton": "triton"}
 
 
-def _module(mod: str):
-    """The kernel module, or the reason it cannot be imported here."""
+def kernel_module(mod: str):
+    """(The kernel module ``mod`` of this package, None) or (None, the reason it cannot be
+    imported here)."""
     try:
         return importlib.import_module(f".{mod}", __package__), None
     except ImportError as e:
@@ -96,7 +97,7 @@ def candidates(direction: str, call: Call) -> list:
     the first with no reason runs the call (``None`` modules are the reference)."""
     out = []
     for mod_name in CANDIDATES[direction]:
-        mod, reason = _module(mod_name)
+        mod, reason = kernel_module(mod_name)
         reason = reason or _broken.get(mod_name) or mod.rejects(call)
         out.append((_NAMES[mod_name], mod, reason))
     out.append((REFERENCE, None, None))
