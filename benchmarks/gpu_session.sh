@@ -22,7 +22,8 @@
 #                                          # Triton unpacked from .t39/triton*.tar.xz (a stripped
 #                                          # cp312 wheel: benchmarks/pack_triton.sh; another
 #                                          # folder: TRITON_NEXT_TAR=.t38; an experiment
-#                                          # instead: TRITON_NEXT_BENCH=script.py)
+#                                          # instead: TRITON_NEXT_BENCH=script.py, after
+#                                          # the GPU tests TRITON_NEXT_TESTS=-k expression)
 # bench and sweep write benchmarks/results/*.json; report.py then rewrites README.md's
 # performance section and docs/performance/bench.png. All three come back under $OUT
 # (results/, README.md, bench.png): copy them into the checkout and commit them. The device tool
@@ -50,6 +51,13 @@ report() {  # README section and figure from the newest results; everything back
   find benchmarks/results -name '*.json' -newer /tmp/gpu_session.start -exec cp {} "$OUT/results/" \;
   cp README.md "$OUT/README.md"
   cp docs/performance/bench.png "$OUT/bench.png" 2>/dev/null
+}
+
+peer_experiment() {  # benchmarks/experiments/$1 next to cuDNN's backward (its kit installed
+  # first), under a limit of $2 seconds; its rows to $OUT/$3
+  timeout 120 bash .peers/cudnn_dsa/install.sh > "$OUT/cudnn_install.log" 2>&1
+  PYTHONPATH=$PYTHONPATH:/tmp/cudnn_site timeout "$2" python3 benchmarks/experiments/$1 .peers/cudnn_dsa 2>&1 \
+    | tee "$OUT/$3"
 }
 
 case "${1:-tests}" in
@@ -223,11 +231,7 @@ next)
   timeout ${NEXT_TESTS_TIMEOUT:-200} python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels_gpu.py \
     -k "${NEXT_TESTS:-dq_tma}" 2>&1 | tail -6 | tee "$OUT/next_tests.log"
   ok=$(grep -c " passed" "$OUT/next_tests.log"); grep -q -E "failed|error" "$OUT/next_tests.log" && ok=0
-  if [ "$ok" -gt 0 ]; then
-    timeout 120 bash .peers/cudnn_dsa/install.sh > "$OUT/cudnn_install.log" 2>&1
-    PYTHONPATH=$PYTHONPATH:/tmp/cudnn_site timeout ${NEXT_BENCH_TIMEOUT:-330} python3 \
-      benchmarks/experiments/${NEXT_BENCH:-dq_tma_bench.py} .peers/cudnn_dsa 2>&1 | tee "$OUT/next_bench.jsonl"
-  fi
+  [ "$ok" -gt 0 ] && peer_experiment "${NEXT_BENCH:-dq_tma_bench.py}" ${NEXT_BENCH_TIMEOUT:-330} next_bench.jsonl
   ;;
 ablate)
   # Parts of a tile taken out of the fast backward over a K sweep (tile_ablation_bench.py);
@@ -265,10 +269,16 @@ triton-next)
   parts=${TRITON_NEXT_PARTS:-tests bench}
   if [ -n "${TRITON_NEXT_BENCH:-}" ]; then
     # an experiment under this Triton instead (a script in benchmarks/experiments/, next to
-    # cuDNN's backward), e.g. TRITON_NEXT_BENCH=triton_defaults_bench.py
-    timeout 120 bash .peers/cudnn_dsa/install.sh > "$OUT/cudnn_install.log" 2>&1
-    PYTHONPATH=$PYTHONPATH:/tmp/cudnn_site timeout ${TRITON_NEXT_BENCH_TIMEOUT:-480} python3 \
-      benchmarks/experiments/$TRITON_NEXT_BENCH .peers/cudnn_dsa 2>&1 | tee "$OUT/triton_next_bench.jsonl"
+    # cuDNN's backward), e.g. TRITON_NEXT_BENCH=triton_defaults_bench.py; with
+    # TRITON_NEXT_TESTS (a -k expression) the GPU kernel tests it selects first, and the
+    # experiment only if they pass
+    ok=1
+    if [ -n "${TRITON_NEXT_TESTS:-}" ]; then
+      timeout ${TRITON_NEXT_TESTS_TIMEOUT:-200} python3 -m pytest -q -x -n ${TRITON_NEXT_JOBS:-12} -p no:cacheprovider \
+        tests/test_kernels_gpu.py -k "$TRITON_NEXT_TESTS" 2>&1 | tail -6 | tee -a "$OUT/triton_next.log"
+      grep -q " passed" "$OUT/triton_next.log" && ! grep -q -E "failed|error" "$OUT/triton_next.log" || ok=0
+    fi
+    [ "$ok" = 1 ] && peer_experiment "$TRITON_NEXT_BENCH" ${TRITON_NEXT_BENCH_TIMEOUT:-480} triton_next_bench.jsonl
   elif [ "${TRITON_NEXT_FULL:-0}" = 1 ]; then
     [[ $parts == *tests* ]] && timeout ${TRITON_NEXT_TESTS_TIMEOUT:-360} python3 -m pytest -q -rs -n ${TRITON_NEXT_JOBS:-12} -p no:cacheprovider tests/test_kernels_gpu.py tests/test_compile.py \
       tests/test_cuda_graphs.py tests/test_checkpointing.py tests/test_modules.py tests/test_export.py 2>&1 \
