@@ -12,7 +12,8 @@ Arms (``backward_gluon.launch`` overrides; "fast" and "det" are whatever this Tr
   split1(_dq)  the blocks' roles split in time, P and dS single-buffered (with dQ by TMA)
   split2_dq    split roles, P and dS double-buffered, dQ by TMA (3.6's fast default)
   qdtma        K <= 256: q and dO by TMA (3.6 default there), this Triton's schedule;
-               split1_qd the same with split 1 (and the early release of q's quarters)
+               split1_qd the same with split 1 (and the early release of q's quarters);
+               split2_qd_dq split 2, q and dO and dQ by TMA (3.6's default there, H > 32)
   trans_dq     H <= 32: the small-head tiles transposed, split 2, dQ by TMA (3.6 default)
   det_dqtma    deterministic with dQ by TMA (3.6 default)
   det_split1   deterministic, one head block, K >= 512, split 1 (3.6 / 3.8 default)
@@ -20,6 +21,9 @@ Arms (``backward_gluon.launch`` overrides; "fast" and "det" are whatever this Tr
                (``pairs_code=True``: 3.9's build before 2026-12-05; the same build elsewhere)
 Checks first: every deterministic arm bitwise equal to this Triton's deterministic default,
 every fast arm's grad_q and grad_kv against it (relative error, printed).
+
+Since 2a5ccf7 split 2 under 3.9 reloads 4-5 values a loop (17-20 before): predicted
+level with split 1 or better, as under 3.6, where it gained 1-5%.
 
 Prediction (sm_90 builds under 3.9.0, block-loop reloads fast / deterministic,
 docs/performance/backward.md#defaults-by-triton-version-static): 3.9's defaults (unsplit)
@@ -69,6 +73,8 @@ for T, H, K in shapes:
     if K <= 256:
         fast["qdtma"] = dict(qd_tma=True)
         fast["split1_qd"] = dict(split=1, qd_tma=True)
+        if H > 32:  # (3.6's default there)
+            fast["split2_qd_dq"] = dict(split=2, qd_tma=True, dq_tma=1)
     det = {"det": {}, "det_dqtma": dict(dq_tma=1)}
     if H <= 64 and K >= 512:
         det["det_split1"] = dict(split=1)
