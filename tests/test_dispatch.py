@@ -185,7 +185,7 @@ def test_gluon_backward_transposes_small_head_tiles_in_the_fast_split_schedules(
     from dsv4_sparse_attn.kernels.hopper import TRITON_VERSION
 
     t = backward_gluon._transposed
-    assert backward_gluon.SMALL_H_TRANSPOSED == (TRITON_VERSION == (3, 6))  # (where measured)
+    assert backward_gluon.SMALL_H_TRANSPOSED == (TRITON_VERSION in ((3, 6), (3, 8), (3, 9)))  # (where timed)
     monkeypatch.setattr(backward_gluon, "SMALL_H_TRANSPOSED", True)
     assert t(16, 2, 0, False) and t(32, 1, 0, False)
     assert not t(64, 2, 0, False) and not t(16, 0, 0, False)
@@ -346,7 +346,7 @@ def test_python_m_report_lists_lengths_and_the_v32_layout(fresh, monkeypatch):
 
 def test_python_m_report_says_which_backward_options_this_triton_runs(fresh, monkeypatch):
     """The CUDA report names the Gluon backward's schedule options that are on under this
-    Triton, and says so when some of Triton 3.6's (the measured fastest) are off."""
+    Triton, and says so when some of those measured fastest are off."""
     from dsv4_sparse_attn import __main__ as cli
     from dsv4_sparse_attn.kernels import hopper
 

@@ -229,7 +229,7 @@ def test_gluon_backward_deterministic_pairs_code_only_where_pairs_run(has_len):
     the same kernel for both (their measured builds: the same PTX)."""
     from dsv4_sparse_attn.kernels import backward_gluon
 
-    split = backward_gluon._split(True, None, 1, 1024)
+    split = backward_gluon._split(True, None, 2, 1024)  # (the schedule of a launch with pairs)
     paired = compile_backward_gluon(red=False, has_len=has_len, split=split, paired=True)
     single = compile_backward_gluon(red=False, has_len=has_len, split=split)
     for r in (paired, single):

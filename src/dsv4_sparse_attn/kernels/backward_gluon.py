@@ -74,19 +74,21 @@ EVICT_LAST_MIN_L2 = 4
 # block also forms all of its dKV rows, while the other consumer computes the next block's
 # S and dP; 2: with P and dS double-buffered (16 KB more shared memory). D = 512 value
 # columns only (no score-only columns). Measured on the H200 under Triton 3.6
-# (docs/performance/backward.md#split-roles): fast mode 1-5% less time with 2, on by default
-# where its block loops reloaded no register when measured (sm_90 builds: Triton 3.6 and
-# 3.8; 3.7 then reloaded 38 values a loop in one consumer, none at 084f569, not timed since;
-# 3.9 17-20 in both: docs/performance/backward.md#defaults-by-triton-version-static);
+# (docs/performance/backward.md#split-roles): fast mode 1-5% less time with 2;
 # deterministic mode 9-14% more at H = 128 (a head-block pair's programs wait on each other
 # per block parity), off there;
 # at one head block (H <= 64) split 1 (no second P/dS buffer) 1.4-3.2% less at K >= 640,
 # with and without lengths (+1.0% / -0.6% at K = 160: off below SPLIT_DET_MIN_K), gradients
 # bitwise equal. ``launch(split=...)`` overrides all three.
+# This and the options below are on under the Tritons they were timed with (_TIMED): 3.6,
+# and 3.8 and 3.9, whose runs of 2026-12-05 (d2011fb) found each of them as fast or faster
+# than without (docs/performance/backward.md#defaults-by-triton-version-measured); not 3.7
+# (torch 2.12), whose builds are as clean as 3.6's but were not timed.
+_TIMED = TRITON_VERSION in ((3, 6), (3, 8), (3, 9))
 _TRITON_39 = TRITON_VERSION >= (3, 9)
-SPLIT_ROLES = 2 if TRITON_VERSION in ((3, 6), (3, 8)) else 0
+SPLIT_ROLES = 2 if _TIMED else 0
 SPLIT_ROLES_DET = 0  # two or more head blocks
-SPLIT_ROLES_DET_ONE_HB = 1 if TRITON_VERSION in ((3, 6), (3, 8)) else 0  # one head block
+SPLIT_ROLES_DET_ONE_HB = 1 if _TIMED else 0  # one head block
 SPLIT_DET_MIN_K = 512
 # q and dO by TMA (``launch(qd_tma=...)``): the producer loads a tile's q and dO as eight
 # [1, 64, 128] TMA tiles of [T, H, D] instead of 64 cp.async a thread, so that they do not
@@ -96,10 +98,10 @@ SPLIT_DET_MIN_K = 512
 # 512 without score-only columns; else cp.async. Measured with the early release below
 # (H200, Triton 3.6; docs/performance/backward.md#q-and-do-by-tma-and-their-early-release-measured):
 # 3.5-6.6% less time where a tile has few blocks (K = 128-160), within the run's spread at
-# K >= 512; so ``None`` (the default) takes it at K <= QD_TMA_MAX_K, under the Triton it was
-# measured with only. (With dQ by TMA the early release below is off.)
+# K >= 512; so ``None`` (the default) takes it at K <= QD_TMA_MAX_K, under the Tritons it was
+# timed with. (With dQ by TMA the early release below is off.)
 QD_TMA = None
-QD_TMA_MAX_K = 256 if TRITON_VERSION == (3, 6) else -1
+QD_TMA_MAX_K = 256 if _TIMED else -1
 # With q and dO by TMA and a split schedule (``launch(qd_early=...)``, 0: off): the owner of
 # a tile's last block releases the first QD_EARLY D quarters of q and dO (2 or 3) as soon as
 # its dKV pieces are done with them, and the producer loads the next tile's quarters into
@@ -112,11 +114,11 @@ QD_EARLY = 2
 # path behind the last block's reductions, and without them a tile takes 5-11 us less
 # (docs/performance/backward.md#a-tiles-fixed-cost-taken-apart). Not with the early
 # release (the next tile's first quarters then land in q while the last block runs), so
-# where dQ goes by TMA the early release is off. On where measured: Triton 3.6; 0 the plain
+# where dQ goes by TMA the early release is off. On where timed (_TIMED); 0 the plain
 # stores. (Staging in the kv block's buffer instead, so that the next tile's q/dO load
 # need not wait for it, measured 9-16% slower at K >= 512 and was removed:
 # docs/performance/backward.md#dq-by-tma.)
-DQ_TMA = 1 if TRITON_VERSION == (3, 6) else 0
+DQ_TMA = 1 if _TIMED else 0
 # The same with score-only columns (the 576/512 layout, unsplit schedule): the 512 value
 # columns of dQ by TMA through q's quarters, the 64 rope columns from the scratch rows as
 # before (``launch(dq_tma=...)`` sets both). Measured under 3.6 (H200, T = 4096): fast
@@ -134,9 +136,9 @@ SPLIT_REMAINDER = True
 # The fast mode's tiles of H <= 32 heads in a split schedule with their products transposed
 # (``_consume_tile_split_t``: the heads as the wgmma's N; ``launch(transposed=...)``).
 # Measured on the H200 under Triton 3.6: 3.1-6.0% less time than with HEAD_PAD alone
-# (docs/performance/backward.md#small-head-tiles-transposed-kept); on where measured. (Not
+# (docs/performance/backward.md#small-head-tiles-transposed-kept); on where timed. (Not
 # the deterministic mode: its build at H <= 16 serialises the wgmmas, sm_90, Triton 3.6.)
-SMALL_H_TRANSPOSED = TRITON_VERSION == (3, 6)
+SMALL_H_TRANSPOSED = _TIMED
 # Whether a launch without head-block pairs builds their code anyway (``_pairs_code``):
 # None, the rule (left out under Triton 3.9 only, but for the deterministic 576/512 build);
 # True or False forces it (``launch(pairs_code=...)`` for one launch).
@@ -1348,16 +1350,17 @@ def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
 
 def options_summary() -> str:
     """The fast backward's schedule options this Triton runs by default, and whether they are
-    all of those measured fastest (Triton 3.6's; the others are off under a Triton until
-    timed with it: docs/performance/backward.md#defaults-by-triton-version-static)."""
+    all of those measured fastest (on under the Tritons they were timed with, 3.6, 3.8 and
+    3.9; off under another until timed with it:
+    docs/performance/backward.md#defaults-by-triton-version-measured)."""
     opts = [("split roles", SPLIT_ROLES == 2), ("dQ by TMA", bool(DQ_TMA)),
             ("q and dO by TMA at K <= 256", QD_TMA_MAX_K >= 256),
             ("transposed tiles at H <= 32", SMALL_H_TRANSPOSED and SPLIT_ROLES > 0)]
     text = ", ".join(f"{name} {'on' if on else 'off'}" for name, on in opts)
     if all(on for _, on in opts):
-        return f"{text} (all of the options measured fastest, under Triton 3.6)"
-    return (f"{text} (off: not timed under this Triton; all on under 3.6, whose figures the README "
-            "shows: docs/performance/backward.md#defaults-by-triton-version-static)")
+        return f"{text} (all of the options measured fastest)"
+    return (f"{text} (off: not timed under this Triton; all on under 3.6, 3.8 and 3.9: "
+            "docs/performance/backward.md#defaults-by-triton-version-measured)")
 
 
 LAUNCH_CACHE = True  # ``launch`` takes ``cache``
