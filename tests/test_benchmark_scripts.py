@@ -81,3 +81,24 @@ def test_without_a_gpu(script):
     r = run(script)
     assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr, (r.returncode, r.stderr[-2000:])
     assert "Traceback" not in r.stderr
+
+
+def test_best_of_ab_gives_every_arm_an_early_and_a_late_place():
+    """The experiments' A/B timing (``side_by_side.best_of_ab``) alternates the passes'
+    direction, so no arm is always first or always last (cuDNN's arm is added last), and
+    keeps each arm's best time."""
+    sys.path.insert(0, os.path.join(BENCHMARKS, "experiments"))
+    try:
+        import side_by_side
+    finally:
+        sys.path.remove(os.path.join(BENCHMARKS, "experiments"))
+    order = []
+    fns = {name: name for name in "abc"}
+    times = iter([3.0, 2.0, 1.0, 4.0, 5.0, 0.5])
+
+    def timer(fn):
+        order.append(fn)
+        return next(times)
+    got = side_by_side.best_of_ab(fns, reps=2, timer=timer)
+    assert order == ["a", "b", "c", "c", "b", "a"]
+    assert got == {"a": 0.5, "b": 2.0, "c": 1.0}

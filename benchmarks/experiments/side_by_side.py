@@ -45,13 +45,19 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
 
 
-def best_of_ab(fns, reps=2):
-    """{name: ms} for ``fns`` (name -> callable) timed in turn ``reps`` times (A, B, A, B,
-    ...: drift across the run falls on every arm alike), the better of each arm's times."""
+def best_of_ab(fns, reps=2, timer=None):
+    """{name: ms} for ``fns`` (name -> callable) timed in turn ``reps`` times, the better of
+    each arm's times. The passes alternate in direction (A, B, C, then C, B, A, ...): the
+    same build timed first and seventh in one pass measured up to 5% apart (the first
+    faster; docs/performance/backward.md#defaults-by-triton-version-measured), so every
+    arm gets an early and a late place, and drift across the run falls on every arm alike.
+    (``timer``: ``bench`` unless given.)"""
+    timer = bench if timer is None else timer
     times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            times[name].append(bench(fn))
+    names = list(fns)
+    for i in range(reps):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            times[name].append(timer(fns[name]))
     return {name: min(t) for name, t in times.items()}
 
 
