@@ -260,7 +260,8 @@ triton-next)
   # TRITON_NEXT_TAR: the folder of the packed Triton (benchmarks/pack_triton.sh), default .t39
   tarball=$(ls ${TRITON_NEXT_TAR:-.t39}/triton*.tar.xz 2>/dev/null | head -1)
   [ -n "$tarball" ] || { echo "no ${TRITON_NEXT_TAR:-.t39}/triton*.tar.xz"; exit 2; }
-  mkdir -p /tmp/triton-next && tar -xJf "$tarball" -C /tmp/triton-next
+  # (a fresh folder: on a warm machine another Triton may be unpacked there already)
+  rm -rf /tmp/triton-next && mkdir -p /tmp/triton-next && tar -xJf "$tarball" -C /tmp/triton-next
   export PYTHONPATH=/tmp/triton-next:$PYTHONPATH TRITON_CACHE_DIR=$PWD/.cache/triton-next
   python3 -c "import triton; print('triton', triton.__version__, triton.__file__)" | tee "$OUT/triton_next.log"
   # TRITON_NEXT_FULL=1: the `tests` part's GPU files and opcheck, and the whole default
@@ -274,7 +275,7 @@ triton-next)
     # experiment only if they pass
     ok=1
     if [ -n "${TRITON_NEXT_TESTS:-}" ]; then
-      timeout ${TRITON_NEXT_TESTS_TIMEOUT:-200} python3 -m pytest -q -x -n ${TRITON_NEXT_JOBS:-12} -p no:cacheprovider \
+      timeout ${TRITON_NEXT_TESTS_TIMEOUT:-300} python3 -m pytest -q -x -n ${TRITON_NEXT_JOBS:-12} -p no:cacheprovider \
         tests/test_kernels_gpu.py -k "$TRITON_NEXT_TESTS" 2>&1 | tail -6 | tee -a "$OUT/triton_next.log"
       grep -q " passed" "$OUT/triton_next.log" && ! grep -q -E "failed|error" "$OUT/triton_next.log" || ok=0
     fi
