@@ -53,6 +53,10 @@ report() {  # README section and figure from the newest results; everything back
   cp docs/performance/bench.png "$OUT/bench.png" 2>/dev/null
 }
 
+tests_passed() {  # whether the pytest tail in file $1 reports passes and no failure or error
+  grep -q " passed" "$1" && ! grep -q -E "failed|error" "$1"
+}
+
 peer_experiment() {  # benchmarks/experiments/$1 next to cuDNN's backward (its kit installed
   # first), under a limit of $2 seconds; its rows to $OUT/$3
   timeout 120 bash .peers/cudnn_dsa/install.sh > "$OUT/cudnn_install.log" 2>&1
@@ -230,8 +234,7 @@ next)
   # by TMA (dq_tma_bench.py). About 9 minutes.
   timeout ${NEXT_TESTS_TIMEOUT:-200} python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels_gpu.py \
     -k "${NEXT_TESTS:-dq_tma}" 2>&1 | tail -6 | tee "$OUT/next_tests.log"
-  ok=$(grep -c " passed" "$OUT/next_tests.log"); grep -q -E "failed|error" "$OUT/next_tests.log" && ok=0
-  [ "$ok" -gt 0 ] && peer_experiment "${NEXT_BENCH:-dq_tma_bench.py}" ${NEXT_BENCH_TIMEOUT:-330} next_bench.jsonl
+  tests_passed "$OUT/next_tests.log" && peer_experiment "${NEXT_BENCH:-dq_tma_bench.py}" ${NEXT_BENCH_TIMEOUT:-330} next_bench.jsonl
   ;;
 ablate)
   # Parts of a tile taken out of the fast backward over a K sweep (tile_ablation_bench.py);
@@ -277,7 +280,7 @@ triton-next)
     if [ -n "${TRITON_NEXT_TESTS:-}" ]; then
       timeout ${TRITON_NEXT_TESTS_TIMEOUT:-300} python3 -m pytest -q -x -n ${TRITON_NEXT_JOBS:-12} -p no:cacheprovider \
         tests/test_kernels_gpu.py -k "$TRITON_NEXT_TESTS" 2>&1 | tail -6 | tee -a "$OUT/triton_next.log"
-      grep -q " passed" "$OUT/triton_next.log" && ! grep -q -E "failed|error" "$OUT/triton_next.log" || ok=0
+      tests_passed "$OUT/triton_next.log" || ok=0
     fi
     [ "$ok" = 1 ] && peer_experiment "$TRITON_NEXT_BENCH" ${TRITON_NEXT_BENCH_TIMEOUT:-480} triton_next_bench.jsonl
   elif [ "${TRITON_NEXT_FULL:-0}" = 1 ]; then
