@@ -53,8 +53,23 @@ def ptxas_for_sm90() -> str:
     return _nvidia_tool("ptxas")
 
 
-def mma_loops(cubin: bytes) -> list[dict]:
-    """The innermost loops of a cubin's SASS that hold wgmmas (HGMMA), with their counts of
+def sass_of(cubin: bytes) -> str:
+    """The cubin's SASS, by the cuobjdump this Triton ships."""
+    tool = _nvidia_tool("cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+
+
+def _instructions(sass: str) -> list[tuple[int, str]]:
+    return [(int(m.group(1), 16), m.group(2).strip())
+            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
+def mma_loops(sass: str) -> list[dict]:
+    """The innermost loops of a kernel's SASS that hold wgmmas (HGMMA), with their counts of
     spill reloads (LDL), global stores (STG), HGMMA, 16-byte fp32 reductions (REDG4) and
     moves from a register to a uniform register (R2UR: a wgmma descriptor formed in the
     vector datapath, as under Triton 3.9, instead of the uniform one).
@@ -62,14 +77,7 @@ def mma_loops(cubin: bytes) -> list[dict]:
     A loop is a conditional backward branch and the code from its target to it (an
     mbarrier wait's out-of-line retry ends in an unconditional branch back: not a loop).
     """
-    tool = _nvidia_tool("cuobjdump")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
-    ins = [(int(m.group(1), 16), m.group(2).strip())
-           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    ins = _instructions(sass)
     loops = []
     for pc, text in ins:
         m = re.match(r"@!?U?P\w+\s+BRA\s+0x([0-9a-f]+)", text)
@@ -82,6 +90,74 @@ def mma_loops(cubin: bytes) -> list[dict]:
     mma = [lp for lp in loops if lp["HGMMA"]]
     return [lp for lp in mma
             if not any(o is not lp and lp["start"] <= o["start"] and o["end"] <= lp["end"] for o in mma)]
+
+
+_UNWRITTEN = ("ST", "RED", "BRA", "BAR", "WARPGROUP", "SYNCS", "EXIT", "RET", "CALL", "MEMBAR", "FENCE",
+              "ISETP", "FSETP", "DSETP", "PLOP3", "BSSY", "BSYNC", "NOP", "R2UR", "S2UR", "VOTEU", "CCTL",
+              "ERRBAR", "CGAERRBAR", "DEPBAR", "WARPSYNC", "ELECT", "U")  # no vector register written
+
+
+def _written(text: str) -> range | None:
+    """The vector registers an instruction writes (its first operand), or None."""
+    text = re.sub(r"^@!?U?P\w+\s+", "", text)
+    op, _, rest = text.partition(" ")
+    m = re.match(r"\s*R(\d+)\b", rest)
+    if m is None or (op.startswith(_UNWRITTEN) and not op.startswith("HGMMA")):
+        return None
+    width = 1
+    if op.startswith("HGMMA"):  # the accumulator: N / 2 fp32 registers of m64nNk16
+        width = int(re.match(r"HGMMA\.64x(\d+)x", op).group(1)) // 2
+    elif ".128" in op or re.match(r"LDSM\S*\.x4|LDSM\.16\.M\w+\.4", op):
+        width = 4
+    elif ".64" in op or op.startswith("IMAD.WIDE") or re.match(r"LDSM\S*\.x2|LDSM\.16\.M\w+\.2", op):
+        width = 2
+    return range(int(m.group(1)), int(m.group(1)) + width)
+
+
+def register_a_wgmma(sass: str) -> tuple[int, list[tuple[int, int]]]:
+    """The wgmmas whose A operand is in registers (``HGMMA ... R<acc>, R<a>, gdesc[...]``) and
+    every write to those four registers that the SASS can reach before a wait retires the
+    wgmma (``WARPGROUP.DEPBAR.LE gsb0, N`` with at least N groups committed after its own):
+    ``(count, [(wgmma pc, writer pc), ...])``. PTX forbids such a write and ptxas 12.9 (Triton
+    3.8's for sm_90) was found to emit one (fixed in CUDA 13.3, triton-lang/triton#11781):
+    the wgmma would read the new value. Paths follow both sides of a conditional branch."""
+    ins = _instructions(sass)
+    at = {pc: i for i, (pc, _) in enumerate(ins)}
+    n, hazards = 0, []
+    for i, (pc, text) in enumerate(ins):
+        m = re.match(r"HGMMA\S*\s+R\d+,\s+R(\d+),", text)
+        if m is None:
+            continue
+        n += 1
+        a = set(range(int(m.group(1)), int(m.group(1)) + 4))
+        # state: (index, committed, groups committed after this wgmma's own)
+        todo = [(i + 1, "gsb0" in text, 0)]
+        seen = set()
+        while todo:
+            j, committed, after = todo.pop()
+            if j >= len(ins) or (j, committed, after) in seen:
+                continue
+            seen.add((j, committed, after))
+            pc2, t = ins[j]
+            bare = re.sub(r"^@!?U?P\w+\s+", "", t)
+            w = re.match(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", bare)
+            if w and committed and after >= int(w.group(1), 16):
+                continue  # retired on this path
+            wr = _written(t)
+            if wr is not None and a & set(wr):
+                hazards.append((pc, pc2))
+                continue
+            if bare.startswith("HGMMA") and "gsb0" in bare:
+                committed, after = True, min(after + (1 if committed else 0), 8)
+            if bare.startswith("EXIT") and bare == t:
+                continue
+            b = re.match(r"BRA(?:\.\w+)*\s+0x([0-9a-f]+)", bare)
+            if b is not None and int(b.group(1), 16) in at:
+                todo.append((at[int(b.group(1), 16)], committed, after))
+                if bare == t:  # unconditional: no fall-through
+                    continue
+            todo.append((j + 1, committed, after))
+    return n, hazards
 
 
 def ptx_fingerprint(ptx: str) -> str:
@@ -154,7 +230,9 @@ def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stag
             res["spill_bytes"] = int(m.group(1))
             # ptxas info C7512: too few registers, so every wgmma waits for the previous one
             res["wgmma_serialized"] = "wgmma.mma_async instructions are serialized" in log
-        res["mma_loops"] = mma_loops(k.asm["cubin"])
+        sass = sass_of(k.asm["cubin"])
+        res["mma_loops"] = mma_loops(sass)
+        res["register_a_wgmma"], res["register_a_hazards"] = register_a_wgmma(sass)
     return res
 
 

@@ -10,9 +10,35 @@ import pytest
 
 from dsv4_sparse_attn.kernels.hopper import TRITON_VERSION
 from sm90_compile import (H200_SMEM_LIMIT, compile_backward, compile_backward_gluon, compile_forward,
-                          compile_forward_gluon, wgmma_register_bases)
+                          compile_forward_gluon, register_a_wgmma, wgmma_register_bases)
 
 HEADS = [128, 64, 16]  # V4-Pro, V4-Flash, V4-Pro over 8-way tensor parallelism
+
+
+def _sass(lines):  # cuobjdump's layout: /*pc*/ instruction ;
+    return "\n".join(f"        /*{0x100 + 16 * i:04x}*/                   {t} ;" for i, t in enumerate(lines))
+
+
+def test_register_a_wgmma_finds_writes_before_the_wait():
+    """The checker behind ``register_a_hazards`` (ptxas 12.9, Triton 3.8's for sm_90, could
+    reuse a register-operand wgmma's input registers before its wait: triton-lang/triton#11781),
+    on hand-written SASS: a write before the wait, on a branch's path, by a later wgmma's
+    accumulator, or after a wait that leaves this wgmma's group in flight is found; a write
+    after the wait that retires it is not."""
+    rs = "HGMMA.64x64x16.F32.BF16 R152, R184, gdesc[UR36], R152"
+    ss = "HGMMA.64x64x16.F32.BF16 R120, gdesc[UR8], R120, gsb0"
+    wait0, wait1 = "WARPGROUP.DEPBAR.LE gsb0, 0x0", "WARPGROUP.DEPBAR.LE gsb0, 0x1"
+    assert register_a_wgmma(_sass([rs + ", gsb0", "MOV R185, RZ", wait0])) == (1, [(0x100, 0x110)])
+    assert register_a_wgmma(_sass([rs + ", gsb0", wait0, "MOV R185, RZ"])) == (1, [])
+    branch = [rs + ", gsb0", "@P0 BRA 0x140", wait0, "EXIT", "LDS.128 R184, [R2]", "EXIT"]
+    assert register_a_wgmma(_sass(branch)) == (1, [(0x100, 0x140)])
+    assert register_a_wgmma(_sass([rs, ss, wait1, "MOV R186, RZ", wait0])) == (1, [(0x100, 0x130)])
+    assert register_a_wgmma(_sass([rs + ", gsb0", ss, wait1, "MOV R186, RZ"])) == (1, [])
+    assert register_a_wgmma(_sass([rs + ", gsb0", "HGMMA.64x64x16.F32.BF16 R160, gdesc[UR8], R160, gsb0"])) \
+        == (1, [(0x100, 0x110)])
+    assert register_a_wgmma(_sass([ss, "MOV R120, RZ", wait0])) == (0, [])
+
+
 # What the topk_length and 576/512 variants of the Triton kernels may spill beyond the plain
 # D = 512 kernel (bytes, ptxas of the installed Triton): these are the fallback kernels,
 # whose spills under 3.9 are those of docs/performance/backward.md#triton-39.
@@ -51,6 +77,10 @@ def test_triton_kernels_with_topk_length_compile_for_sm90_without_spills(directi
     r = compile_fn(512, 128, has_len=True)
     assert r["wgmma"] > 0 and r["mma_sync"] == 0 and r["shared"] <= H200_SMEM_LIMIT, r
     assert r["spill_bytes"] <= base["spill_bytes"] + SPILL_MARGIN, (base, r)
+    # P (forward) and dS / P (backward) enter their wgmmas from registers: none of those
+    # registers rewritten before the wgmma's wait (register_a_wgmma)
+    for x in (base, r):
+        assert x["register_a_wgmma"] > 0 and x["register_a_hazards"] == [], x
 
 
 @pytest.mark.parametrize("H", [128, 16])
@@ -62,9 +92,10 @@ def test_triton_kernels_for_the_v32_layout_compile_for_sm90(H):
     base = compile_forward(512, H)
     assert f["shared"] <= H200_SMEM_LIMIT, f
     assert f["spill_bytes"] <= base["spill_bytes"] + SPILL_MARGIN, (base, f)
+    assert f["register_a_hazards"] == [] and base["register_a_hazards"] == [], (base, f)
     for atomic in (False, True):
         b = compile_backward(512, H, rope=64, atomic=atomic)
-        assert b["shared"] <= H200_SMEM_LIMIT, b
+        assert b["shared"] <= H200_SMEM_LIMIT and b["register_a_hazards"] == [], b
     if H >= 64:
         assert f["wgmma"] > 0 and f["mma_sync"] == 0 and b["wgmma"] > 0 and b["mma_sync"] == 0, (f, b)
 
@@ -143,6 +174,9 @@ def test_gluon_forward_v32_compiles_for_sm90(has_sink, has_len, dead):
     assert len(r["mma_loops"]) == 2, r["mma_loops"]
     assert [lp["HGMMA"] for lp in r["mma_loops"]] == [lp["HGMMA"] + 4 for lp in base["mma_loops"]], \
         (base["mma_loops"], r["mma_loops"])
+    # q's score-only columns enter those 4 from registers (2 consumers, 2 builds of the tile
+    # loop), and nothing overwrites them before the wgmmas' wait (register_a_wgmma)
+    assert r["register_a_wgmma"] == 8 and r["register_a_hazards"] == [], r
     if TRITON_VERSION >= (3, 9):
         assert r["wgmma_serialized"] is False and all(lp["LDL"] <= 1 for lp in r["mma_loops"]), r
         return
