@@ -207,6 +207,8 @@ def compile_sm90(jit_fn, types: dict, constexprs: dict, num_warps: int, num_stag
         # backward_gluon.QD_TMA; stores (global <- shared): dQ with backward_gluon.DQ_TMA
         tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared", ptx)),
         tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global", ptx)),
+        # atomics with acquire-release semantics at GPU scope (the backward epilogue's ticket)
+        acq_rel_atomics=len(re.findall(r"atom\.global\.gpu\.acq_rel\.", ptx)),
         ptx_sha=ptx_fingerprint(ptx),
     )  # (left None only when run_ptxas is off)
     if run_ptxas:

@@ -560,7 +560,7 @@ def test_no_recompile_when_T_K_N_change():
             check_backward(c, DEV, main=backward_gluon)
             check_backward(c, DEV, main=backward_gluon, deterministic=False)
         sizes = (_n_compiled(kfwd._sparse_mla_fwd_kernel), _n_compiled(backward_triton._bwd_main_kernel),
-                 _n_compiled(kbwd._acc_to_kv_kernel),
+                 _n_compiled(kbwd._epilogue_kernel),
                  _n_compiled(kbwd._dkv_reduce_kernel), _n_compiled(kbwd._bwd_delta_kernel),
                  _n_compiled(forward_gluon._sparse_mla_fwd_gluon_kernel),
                  _n_compiled(backward_gluon._bwd_main_gluon_kernel))

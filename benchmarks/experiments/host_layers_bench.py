@@ -47,7 +47,7 @@ def patch():
     put(dispatch, "forward", "dispatch.forward")
     put(dispatch, "choose", "dispatch.choose")
     put(_bwd, "sparse_mla_bwd", "backward.sparse_mla_bwd")
-    put(_bwd, "sink_grad", "backward.sink_grad")
+    put(_bwd, "epilogue", "backward.epilogue")
     put(_bwd, "last_dim_contiguous", "last_dim_contiguous")
     put(_bg, "launch", "backward_gluon.launch")
     put(_bg, "_qd_descriptor", "_qd_descriptor")

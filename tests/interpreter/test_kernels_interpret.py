@@ -88,23 +88,41 @@ def test_v32_layout_deterministic_fold_interpreted(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
-def test_sink_gradient_kernel_interpreted():
-    """grad_sink = -sum_t exp(sink - lse) * Delta by segments of SINK_SEG_T rows (the last
-    partly masked; a head block partly masked), strided lse, non-finite sinks: as the float64
-    formula, IEEE cases included (-inf: zero; +inf with finite lse: infinite terms of both
-    signs, NaN)."""
+def test_epilogue_kernel_interpreted():
+    """The backward's last launch (``backward.epilogue``): grad_kv from the fp32 accumulator
+    in kv's dtype (the fake column order undone; N not a multiple of its row block, D = 576
+    in 64-column pieces), and grad_sink = -sum_t exp(sink - lse) * Delta by segments of
+    SINK_SEG_T rows (the last partly masked; a head block partly masked), strided lse,
+    non-finite sinks: as the float64 formula, IEEE cases included (-inf: zero; +inf with
+    finite lse: infinite terms of both signs, NaN), summed by the last of its programs on
+    the ticket, which ends at their count. Outputs poisoned: every element written."""
     from dsv4_sparse_attn.kernels import backward as kbwd
+    from dsv4_sparse_attn.kernels.hopper import fake_col
 
     torch.manual_seed(0)
     T, H = 3 * kbwd.SINK_SEG_T + 5, 5
     lse = torch.randn(T, 2 * H)[:, :H]  # rows 2H apart (the backward makes the last dim dense)
     delta = torch.randn(T, H)
     sink = torch.tensor([0.5, -1.0, float("-inf"), float("inf"), float("nan")])
-    got = kbwd.sink_grad(sink, lse, delta)
-    want = -(torch.exp(sink.double()[None, :] - lse.double()) * delta.double()).sum(0)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, equal_nan=True)
-    assert got[2] == 0 and torch.isnan(got[4])  # -inf sink: no gradient; NaN stays NaN
-    assert kbwd.sink_grad(sink, lse[:0], delta[:0]).eq(0).all()  # T = 0: zeros
+    want_sink = -(torch.exp(sink.double()[None, :] - lse.double()) * delta.double()).sum(0)
+    for N, D, fake in [(37, 64, True), (300, 576, False), (0, 64, True)]:
+        acc, counters = kbwd.zeroed_accumulator(N, D, 4, "cpu")
+        assert acc.eq(0).all() and counters.eq(0).all() and counters.dtype == torch.int32
+        acc.copy_(torch.randn(N, D))
+        cols = fake_col(torch.arange(D)) if fake else torch.arange(D)
+        gkv, gs = kbwd.epilogue(acc, torch.float16, fake, sink, lse, delta, counters[:1])
+        assert gkv.dtype == torch.float16 and gkv.shape == (N, D)
+        torch.testing.assert_close(gkv, acc[:, cols].half(), rtol=0, atol=0)
+        torch.testing.assert_close(gs.double(), want_sink, rtol=1e-5, atol=1e-5, equal_nan=True)
+        assert gs[2] == 0 and torch.isnan(gs[4])  # -inf sink: no gradient; NaN stays NaN
+        n_programs = kbwd.triton.cdiv(T, kbwd.SINK_SEG_T) * kbwd.triton.cdiv(H, 16)
+        assert counters[0] == n_programs  # every part's program took the ticket once
+    # without a sink: grad_kv only; T = 0: grad_sink zeros
+    acc, counters = kbwd.zeroed_accumulator(8, 64, 4, "cpu")
+    gkv, gs = kbwd.epilogue(acc, torch.bfloat16, False, None, lse, delta, counters[:1])
+    assert gkv.eq(0).all() and gs.numel() == 0 and counters[0] == 0
+    gkv, gs = kbwd.epilogue(acc, torch.bfloat16, False, sink, lse[:0], delta[:0], counters[:1])
+    assert gs.shape == (H,) and gs.eq(0).all()
 
 
 def _deterministic_backward(T, H, N, K, D, id_hi, d_v=None):

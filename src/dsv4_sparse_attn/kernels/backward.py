@@ -11,10 +11,14 @@
      chunking; or
    - fast: fp32 atomic adds straight into the accumulator (the order, and so the last
      bits, vary from run to run).
-3. ``_acc_to_kv_kernel``: the accumulator to grad_kv in kv's dtype (undoing the Gluon
-   kernel's column order).
-4. grad_sink = -sum_t exp(sink - lse) * Delta (``_sink_grad_kernel``: per-segment sums in a
-   fixed order, then their sum; no [T, H] temporary).
+3. ``_epilogue_kernel``, one launch: the accumulator to grad_kv in kv's dtype (undoing the
+   Gluon kernel's column order), and grad_sink = -sum_t exp(sink - lse) * Delta (per-segment
+   sums, then, by the segments' last program, their sum in a fixed order; no [T, H]
+   temporary).
+
+The accumulator and the main kernel's counters are one zero-filled allocation: the call
+launches a memset, Delta, the main kernel (and in the fast mode the remainder tiles' dQ
+sum) and the epilogue.
 
 The chunk of tokens bounds the partial rows (``PARTIAL_BYTES``) whatever T is. With
 per-token lengths and large partial rows a token (short chunks), the chunks take the tokens
@@ -322,35 +326,14 @@ def _run_start(KEYS, SEG, e, n_valid):
     return tl.where(e >= n_valid, n_valid, tl.where(s == e, e, nxt))
 
 
-@triton.jit(do_not_specialize=["T"])
-def _sink_grad_kernel(SINK, LSE, DELTA, PART, T, H, stride_lt,
-                      SEG_T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """PART[s, h] = -sum over the rows t of segment s (SEG_T rows) of exp(sink[h] - lse[t, h])
-    * Delta[t, h], in a fixed order; grad_sink is the sum of PART over s. (In PyTorch the
-    same took two [T, H] fp32 temporaries: 128 MiB at T = 131072, H = 128.)"""
-    seg = tl.program_id(1)
-    offs_h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = offs_h < H
-    sink = tl.load(SINK + offs_h, mask=h_ok, other=0.0)
-    acc = tl.zeros([BLOCK_H], tl.float32)
-    for t0 in range(0, SEG_T, BLOCK_T):
-        offs_t = (seg * SEG_T + t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
-        m = (offs_t < T)[:, None] & h_ok[None, :]
-        lse = tl.load(LSE + offs_t[:, None] * stride_lt + offs_h[None, :], mask=m, other=0.0)
-        delta = tl.load(DELTA + offs_t[:, None] * H + offs_h[None, :], mask=m, other=0.0)
-        # (masked lanes add exact zeros, whatever the sink: exp(inf) * 0 would be NaN)
-        acc += tl.sum(tl.where(m, tl.exp(sink[None, :] - lse) * delta, 0.0), 0)
-    tl.store(PART + seg * H + offs_h, -acc, mask=h_ok)
-
-
-@triton.jit(do_not_specialize=["N"])
-def _acc_to_kv_kernel(ACC, OUT, N, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                      FAKE_ORDER: tl.constexpr):
-    """grad_kv[n, c] = acc[n, c'] in kv's dtype, c' = c or, for the fake-ordered
-    accumulator, hopper.fake_col(c) (a permutation within each 16-column group).
-    BLOCK_C columns a program (a multiple of 16 dividing D)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+@triton.jit
+def _acc_rows_to_kv(ACC, OUT, N, rb, cb, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                    FAKE_ORDER: tl.constexpr):
+    """grad_kv[n, c] = acc[n, c'] in kv's dtype for rows block ``rb``, columns block ``cb``;
+    c' = c or, for the fake-ordered accumulator, hopper.fake_col(c) (a permutation within
+    each 16-column group). BLOCK_C: a multiple of 16 dividing D."""
+    rows = rb.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     if FAKE_ORDER:
         src = (c & ~15) | (((c & 7) >> 1) << 2) | (((c >> 3) & 1) << 1) | (c & 1)
     else:
@@ -358,6 +341,68 @@ def _acc_to_kv_kernel(ACC, OUT, N, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK
     m = (rows < N)[:, None]
     x = tl.load(ACC + rows[:, None] * D + src[None, :], mask=m, other=0.0)
     tl.store(OUT + rows[:, None] * D + c[None, :], x.to(OUT.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _sink_part(SINK, LSE, DELTA, PART, seg, hb, T, H, stride_lt, SEG_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """PART[seg, h] = -sum over the rows t of segment ``seg`` (SEG_T rows) of
+    exp(sink[h] - lse[t, h]) * Delta[t, h] for the heads of block ``hb``."""
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    sink = tl.load(SINK + offs_h, mask=h_ok, other=0.0)
+    offs_t = (seg * SEG_T + tl.arange(0, SEG_T)).to(tl.int64)
+    m = (offs_t < T)[:, None] & h_ok[None, :]
+    lse = tl.load(LSE + offs_t[:, None] * stride_lt + offs_h[None, :], mask=m, other=0.0)
+    delta = tl.load(DELTA + offs_t[:, None] * H + offs_h[None, :], mask=m, other=0.0)
+    # (masked lanes add exact zeros, whatever the sink: exp(inf) * 0 would be NaN)
+    part = tl.sum(tl.where(m, tl.exp(sink[None, :] - lse) * delta, 0.0), 0)
+    tl.store(PART + seg * H + offs_h, -part, mask=h_ok)
+
+
+@triton.jit
+def _sum_sink_parts(PART, GRAD_SINK, H, n_seg, SUM_SEG: tl.constexpr, SUM_H: tl.constexpr):
+    """grad_sink[h] = sum over the segments of PART[:, h]: tiles of SUM_SEG segments in
+    segment order (the same order whichever program runs it). The loads bypass L1: the
+    parts were written by other programs."""
+    for h0 in range(0, H, SUM_H):
+        offs_h = h0 + tl.arange(0, SUM_H)
+        h_ok = offs_h < H
+        acc = tl.zeros([SUM_H], tl.float32)
+        for s0 in range(0, n_seg, SUM_SEG):
+            offs_s = s0 + tl.arange(0, SUM_SEG)
+            m = (offs_s < n_seg)[:, None] & h_ok[None, :]
+            x = tl.load(PART + offs_s[:, None].to(tl.int64) * H + offs_h[None, :], mask=m, other=0.0,
+                        cache_modifier=".cg")
+            acc += tl.sum(x, 0)
+        tl.store(GRAD_SINK + offs_h, acc, mask=h_ok)
+
+
+@triton.jit(do_not_specialize=["N", "n_conv", "T", "stride_lt", "n_seg"])
+def _epilogue_kernel(ACC, GRAD_KV, N, n_conv, SINK, LSE, DELTA, PART, GRAD_SINK, TICKET, T, H, stride_lt,
+                     n_seg, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                     FAKE_ORDER: tl.constexpr, HAS_SINK: tl.constexpr, SEG_T: tl.constexpr,
+                     BLOCK_H: tl.constexpr, SUM_SEG: tl.constexpr, SUM_H: tl.constexpr):
+    """The backward's last launch. Programs [0, n_conv): the accumulator to grad_kv, a
+    [BLOCK_N, BLOCK_C] tile each. The others (with a sink): one (segment, head block) of
+    grad_sink's parts each; the last of them to finish (a ticket: TICKET, int32, zero
+    before the launch) sums the parts into grad_sink. (One launch for what took three: the
+    conversion, the parts and PyTorch's sum of them; a call's host time is spread over its
+    launches, docs/performance/backward.md#a-calls-host-time-taken-apart-measured.)"""
+    pid = tl.program_id(0)
+    if pid < n_conv:
+        n_cb: tl.constexpr = D // BLOCK_C
+        _acc_rows_to_kv(ACC, GRAD_KV, N, pid // n_cb, pid % n_cb, D, BLOCK_N, BLOCK_C, FAKE_ORDER)
+    else:
+        if HAS_SINK:
+            s = pid - n_conv
+            n_hb = tl.cdiv(H, BLOCK_H)
+            _sink_part(SINK, LSE, DELTA, PART, s // n_hb, s % n_hb, T, H, stride_lt, SEG_T, BLOCK_H)
+            # Every thread's part stored before one thread takes the ticket with release
+            # semantics; the last program's acquire then sees every program's part.
+            tl.debug_barrier()
+            done = tl.atomic_add(TICKET, 1, sem="acq_rel", scope="gpu")
+            if done == n_seg * n_hb - 1:
+                _sum_sink_parts(PART, GRAD_SINK, H, n_seg, SUM_SEG, SUM_H)
 
 
 def fold_block_d(D: int, rows: int = 1) -> int:
@@ -432,7 +477,11 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
 
     if grad_q is None:  # tests pass a poisoned buffer to catch unwritten elements
         grad_q = torch.empty((T, H, D), dtype=q.dtype, device=dev)
-    acc = torch.zeros((N, D), dtype=torch.float32, device=dev)
+    # the epilogue's ticket and the fast mode's main-kernel counters, zeros with the
+    # accumulator (one memset); the counters 16 bytes after the ticket, aligned as the
+    # kernels are specialised for
+    n_main_flags = main.flags_per_chunk(T, n_hb) if T > 0 and not deterministic else 0
+    acc, counters = zeroed_accumulator(N, D, 4 + n_main_flags, dev)
     delta = torch.empty((T, H), dtype=torch.float32, device=dev)
     d_v = grad_out.shape[-1]  # Delta runs over the value columns
     if T > 0:
@@ -461,14 +510,10 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         main.launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, p_begin, n_tok, scale,
                     scale * LOG2E, paired, **opts)
 
-    def new_flags(n_tok):
-        n = main.flags_per_chunk(n_tok, n_hb)
-        return torch.zeros((n,), dtype=torch.int32, device=dev) if n else None
-
     if T > 0 and not deterministic:
         if topk_length is not None and hasattr(main, "schedule"):
             orders = main.schedule(topk_length, T, H, paired, tokens)
-        launch(0, T, None, new_flags(T))
+        launch(0, T, None, counters[4:] if n_main_flags else None)
     elif T > 0:
         n_sm = cuda_properties(dev).multi_processor_count if dev.type == "cuda" else 0
         chunk = chunk_tokens(T, n_part, k_stride, D, PARTIAL_BYTES, n_sm)
@@ -523,17 +568,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                     num_warps=fold_warps,
                 )
 
-    grad_kv = torch.empty((N, D), dtype=kv.dtype, device=dev)
-    if N > 0:
-        block_c = D if D & (D - 1) == 0 else math.gcd(D, 256)  # power-of-two widths in one piece
-        block_n = max(1, 4096 // block_c)
-        _acc_to_kv_kernel[(triton.cdiv(N, block_n), D // block_c)](
-            acc, grad_kv, N, D=D, BLOCK_N=block_n, BLOCK_C=block_c,
-            FAKE_ORDER=main.ACC_FAKE_ORDER, num_warps=4)
-    if attn_sink is not None:
-        grad_sink = sink_grad(attn_sink, lse, delta)
-    else:
-        grad_sink = torch.empty((0,), dtype=torch.float32, device=dev)
+    grad_kv, grad_sink = epilogue(acc, kv.dtype, main.ACC_FAKE_ORDER, attn_sink, lse, delta, counters[:1])
     return grad_q, grad_kv, grad_sink
 
 
@@ -549,19 +584,46 @@ def length_order(topk_length: torch.Tensor, K: int) -> torch.Tensor:
     return torch.argsort(topk_length.clamp(0, K), descending=True, stable=True).to(torch.int32)
 
 
-SINK_SEG_T = 256  # rows a program of _sink_grad_kernel
+SINK_SEG_T = 256  # rows a program of grad_sink's parts
 
 
-def sink_grad(attn_sink, lse, delta):
-    """grad_sink [H] = -sum_t exp(sink - lse[t]) * Delta[t]: per-segment sums of
-    ``SINK_SEG_T`` rows, one load of each a program, then their sum over the segments (a
-    fixed order for a given T). (Segments of 4096 rows, 16 iterations a program, left 8
-    programs at H = 128 and took 80 us, 3% of the H64 K640 backward, latency-bound.)"""
+def zeroed_accumulator(N: int, D: int, n_flags: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 [N, D] accumulator and ``n_flags`` int32 counters after it (16-byte aligned,
+    as the kernels are specialised for), zeros, in one allocation: one memset a call."""
+    n_acc = triton.cdiv(N * D, 4) * 4
+    buf = torch.zeros(n_acc + n_flags, dtype=torch.float32, device=device)
+    return buf[:N * D].view(N, D), buf[n_acc:].view(torch.int32)
+
+
+def epilogue(acc, kv_dtype, fake_order: bool, attn_sink, lse, delta, ticket):
+    """grad_kv (``acc`` [N, D] fp32 in kv's dtype, undoing the fake column order) and
+    grad_sink ([H] fp32 = -sum_t exp(sink - lse) * Delta by segments of ``SINK_SEG_T`` rows,
+    then their sum in segment order: the same bits for a given T; empty without a sink), in
+    one launch. ``ticket``: an int32 zero the launch counts its sink programs on."""
+    N, D = acc.shape
     T, H = delta.shape
+    dev = acc.device
+    grad_kv = torch.empty((N, D), dtype=kv_dtype, device=dev)
+    block_c = D if D & (D - 1) == 0 else math.gcd(D, 256)  # power-of-two widths in one piece
+    block_n = max(1, 4096 // block_c)
+    n_conv = triton.cdiv(N, block_n) * (D // block_c) if N > 0 else 0
+    has_sink = attn_sink is not None
+    n_seg = triton.cdiv(T, SINK_SEG_T) if has_sink and H > 0 else 0
     block_h = min(16, next_pow2(H))
-    part = torch.empty((triton.cdiv(T, SINK_SEG_T), H), dtype=torch.float32, device=delta.device)
-    if T > 0 and H > 0:  # (every element of part written: the segments and head blocks cover it)
-        _sink_grad_kernel[(triton.cdiv(H, block_h), part.shape[0])](
-            attn_sink, lse, delta, part, T, H, lse.stride(0),
-            SEG_T=SINK_SEG_T, BLOCK_T=SINK_SEG_T, BLOCK_H=block_h, num_warps=4)
-    return part.sum(0)
+    sum_h = min(128, next_pow2(H))
+    if not has_sink:
+        grad_sink = torch.empty((0,), dtype=torch.float32, device=dev)
+    elif n_seg == 0:  # T = 0 (no parts, no program writes it) or H = 0
+        grad_sink = torch.zeros((H,), dtype=torch.float32, device=dev)
+    else:
+        grad_sink = torch.empty((H,), dtype=torch.float32, device=dev)
+    part = torch.empty((n_seg, H), dtype=torch.float32, device=dev) if n_seg else acc
+    n_prog = n_conv + n_seg * triton.cdiv(H, block_h)
+    if n_prog:
+        # (without parts, the sink's pointers are never read: the accumulator stands in)
+        sink_args = (attn_sink, lse, delta, part, grad_sink) if n_seg else (acc,) * 5
+        _epilogue_kernel[(n_prog,)](
+            acc, grad_kv, N, n_conv, *sink_args, ticket, T, H, lse.stride(0) if n_seg else 0, n_seg,
+            D=D, BLOCK_N=block_n, BLOCK_C=block_c, FAKE_ORDER=fake_order, HAS_SINK=n_seg > 0,
+            SEG_T=SINK_SEG_T, BLOCK_H=block_h, SUM_SEG=max(1, 4096 // sum_h), SUM_H=sum_h, num_warps=4)
+    return grad_kv, grad_sink
