@@ -123,21 +123,23 @@ def test_deterministic_fold_compiles_for_sm90(tile, D):
     assert r["shared"] == 0 and r["registers"] <= (128 if in_flight > 32 else 96) and r["spill_bytes"] <= 8, r
 
 
-@pytest.mark.parametrize("has_sink", [True, False], ids=["sink", "no_sink"])
-@pytest.mark.parametrize("D", [512, 576])
-def test_backward_epilogue_compiles_for_sm90(D, has_sink):
-    """The backward's last launch (``backward.epilogue``) as it is launched: no shared memory,
-    no spill, and with a sink the ticket taken by an acquire-release atomic at GPU scope (the
-    parts' stores ordered before it by a barrier, so the last program reads them all)."""
+@pytest.mark.parametrize("D, has_sink, has_dq", [(512, True, True), (512, False, False), (576, True, False),
+                                                 (576, False, False)])
+def test_backward_epilogue_compiles_for_sm90(D, has_sink, has_dq):
+    """The backward's last launch (``backward.epilogue``) as it is launched: no shared memory
+    beyond its reductions', no spill, and with a sink the ticket taken by an
+    acquire-release atomic at GPU scope (the parts' stores ordered before it by a barrier,
+    so the last program reads them all); with the fast mode's dQ parts (D = 512) too."""
     from dsv4_sparse_attn.kernels import backward as B
     from sm90_compile import compile_sm90
 
     types = dict(ACC="*fp32", GRAD_KV="*bf16", SINK="*fp32", LSE="*fp32", DELTA="*fp32", PART="*fp32",
-                 GRAD_SINK="*fp32", TICKET="*i32")
+                 GRAD_SINK="*fp32", TICKET="*i32", DQF="*fp32", DQ="*bf16")
     block_c = 512 if D == 512 else 64
     r = compile_sm90(B._epilogue_kernel, types,
                      dict(D=D, BLOCK_N=4096 // block_c, BLOCK_C=block_c, FAKE_ORDER=D == 512,
-                          HAS_SINK=has_sink, SEG_T=B.SINK_SEG_T, BLOCK_H=16, SUM_SEG=32, SUM_H=128), 4, 3)
+                          HAS_SINK=has_sink, SEG_T=B.SINK_SEG_T, BLOCK_H=16, SUM_SEG=32, SUM_H=128,
+                          HAS_DQ=has_dq, DQ_BH=64), 4, 3)
     assert r["shared"] <= 16384 and r["spill_bytes"] == 0, r
     assert r["acq_rel_atomics"] == int(has_sink), r
 

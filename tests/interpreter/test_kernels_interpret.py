@@ -293,9 +293,12 @@ def test_chunked_deterministic_backward_gives_the_same_bits_interpreted(monkeypa
 
 
 def test_remainder_parts_sum_in_order_interpreted():
-    """The fast mode's remainder tiles in parts (backward_gluon): how tiles are cut, and
-    _dq_parts_kernel's sum of each tile's fp32 dQ parts in part order (bitwise a sequential
-    fp32 sum), into grad_q's rows of that tile's token and head block only."""
+    """The fast mode's remainder tiles in parts (backward_gluon): how tiles are cut, and the
+    sum of each tile's fp32 dQ parts in part order (bitwise a sequential fp32 sum), into
+    grad_q's rows of that tile's token and head block only: in a launch of its own
+    (``backward.sum_dq_parts``) and among the epilogue's programs, beside the conversion
+    and grad_sink's parts (as the backward launches it)."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
     from dsv4_sparse_attn.kernels import backward_gluon as G
 
     assert G._remainder_parts(4096, 132, 10, True) == (4092, 10)  # 4 tiles x 10 one-block parts
@@ -312,7 +315,16 @@ def test_remainder_parts_sum_in_order_interpreted():
     # (fp32 grad_q: the sums' bits themselves; the interpreter's bf16 conversion rounds
     # otherwise than the GPU's)
     dq = torch.full((T, H, D), float("nan"), dtype=torch.float32)
-    G._dq_parts_kernel[(r, 64)](dqf, dq, 0, n_full, n_parts, n_hb, H, dq.stride(0), dq.stride(1), D=D, BH=64)
+    kbwd.sum_dq_parts(kbwd.DqParts(dqf, dq, 0, n_full, n_parts, r, n_hb, 64))
+    in_epilogue = torch.full_like(dq, float("nan"))
+    acc, counters = kbwd.zeroed_accumulator(9, D, 4, "cpu")
+    acc.copy_(torch.randn(9, D, generator=g))
+    lse, delta = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+    sink = torch.randn(H, generator=g)
+    gkv, gs = kbwd.epilogue(acc, torch.float32, False, sink, lse, delta, counters[:1],
+                            kbwd.DqParts(dqf, in_epilogue, 0, n_full, n_parts, r, n_hb, 64))
+    assert torch.equal(gkv, acc)
+    torch.testing.assert_close(gs, -(torch.exp(sink[None] - lse) * delta).sum(0), rtol=1e-5, atol=1e-5)
     want = torch.full_like(dq, float("nan"))
     parts = dqf.view(r, n_parts, 64, D)
     for i in range(r):
@@ -323,5 +335,6 @@ def test_remainder_parts_sum_in_order_interpreted():
             acc = acc + parts[i, p]
         rows = min(64, H - 64 * hb)
         want[t, 64 * hb:64 * hb + rows] = acc[:rows].to(dq.dtype)
-    assert torch.equal(dq.isnan(), want.isnan())
-    assert torch.equal(dq.nan_to_num(), want.nan_to_num())
+    for got in (dq, in_epilogue):
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())

@@ -27,6 +27,7 @@ longest first (``length_order``), so that a chunk's tokens have like lengths.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -377,32 +378,96 @@ def _sum_sink_parts(PART, GRAD_SINK, H, n_seg, SUM_SEG: tl.constexpr, SUM_H: tl.
         tl.store(GRAD_SINK + offs_h, acc, mask=h_ok)
 
 
-@triton.jit(do_not_specialize=["N", "n_conv", "T", "stride_lt", "n_seg"])
+@triton.jit
+def _dq_part_rows(DQF, DQ, i, h, t_begin, n_full, n_parts, n_hb, H, stride_gt, stride_gh, D: tl.constexpr,
+                  BH: tl.constexpr):
+    """Head h of remainder tile n_full + i (the Gluon main kernel's fast mode cuts the tiles
+    past its last whole round into parts): the sum of its parts' fp32 dQ rows in part order
+    (so the same bits whichever part finished first), into DQ's dtype."""
+    tile = n_full + i
+    head = (tile % n_hb) * BH + h
+    if head < H:
+        d = tl.arange(0, D)
+        acc = tl.zeros([D], dtype=tl.float32)
+        for p in range(0, n_parts):
+            acc += tl.load(DQF + ((i * n_parts + p) * BH + h).to(tl.int64) * D + d)
+        t = t_begin + tile // n_hb
+        tl.store(DQ + t.to(tl.int64) * stride_gt + head * stride_gh + d, acc.to(DQ.dtype.element_ty))
+
+
+@triton.jit
+def _dq_parts_kernel(DQF, DQ, t_begin, n_full, n_parts, n_hb, H, stride_gt, stride_gh, D: tl.constexpr,
+                     BH: tl.constexpr):
+    """Program (i, h): ``_dq_part_rows`` of remainder tile n_full + i, head h."""
+    _dq_part_rows(DQF, DQ, tl.program_id(0), tl.program_id(1), t_begin, n_full, n_parts, n_hb, H, stride_gt,
+                  stride_gh, D, BH)
+
+
+class DqParts(NamedTuple):
+    """The remainder tiles' dQ parts of a fast-mode launch (``backward_gluon.launch``):
+    ``dqf`` fp32 [n_rem * n_parts, bh, D], to be summed into ``grad_q``'s rows of tiles
+    n_full .. n_full + n_rem - 1 (tile = token * n_hb + head block, from token t_begin)."""
+    dqf: torch.Tensor
+    grad_q: torch.Tensor
+    t_begin: int
+    n_full: int
+    n_parts: int
+    n_rem: int
+    n_hb: int
+    bh: int
+
+
+def sum_dq_parts(job: DqParts) -> None:
+    """The parts' sum in a launch of its own (a main-kernel launch outside the backward's
+    epilogue: tests and experiments)."""
+    H = job.grad_q.shape[1]
+    _dq_parts_kernel[(job.n_rem, job.bh)](
+        job.dqf, job.grad_q, job.t_begin, job.n_full, job.n_parts, job.n_hb, H, job.grad_q.stride(0),
+        job.grad_q.stride(1), D=job.grad_q.shape[2], BH=job.bh, num_warps=4)
+
+
+# (the epilogue's sizes that change with the call: no specialisation, so no recompile)
+_EPILOGUE_RUNTIME = ["N", "n_conv", "T", "stride_lt", "n_seg", "n_dq", "dq_t_begin", "dq_n_full",
+                     "dq_n_parts", "stride_gt"]
+
+
+@triton.jit(do_not_specialize=_EPILOGUE_RUNTIME)
 def _epilogue_kernel(ACC, GRAD_KV, N, n_conv, SINK, LSE, DELTA, PART, GRAD_SINK, TICKET, T, H, stride_lt,
-                     n_seg, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                     n_seg, DQF, DQ, n_dq, dq_t_begin, dq_n_full, dq_n_parts, dq_n_hb, stride_gt, stride_gh,
+                     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                      FAKE_ORDER: tl.constexpr, HAS_SINK: tl.constexpr, SEG_T: tl.constexpr,
-                     BLOCK_H: tl.constexpr, SUM_SEG: tl.constexpr, SUM_H: tl.constexpr):
+                     BLOCK_H: tl.constexpr, SUM_SEG: tl.constexpr, SUM_H: tl.constexpr, HAS_DQ: tl.constexpr,
+                     DQ_BH: tl.constexpr):
     """The backward's last launch. Programs [0, n_conv): the accumulator to grad_kv, a
-    [BLOCK_N, BLOCK_C] tile each. The others (with a sink): one (segment, head block) of
-    grad_sink's parts each; the last of them to finish (a ticket: TICKET, int32, zero
-    before the launch) sums the parts into grad_sink. (One launch for what took three: the
-    conversion, the parts and PyTorch's sum of them; a call's host time is spread over its
-    launches, docs/performance/backward.md#a-calls-host-time-taken-apart-measured.)"""
+    [BLOCK_N, BLOCK_C] tile each. Then (with a sink) one (segment, head block) of grad_sink's
+    parts each; the last of them to finish (a ticket: TICKET, int32, zero before the
+    launch) sums the parts into grad_sink. The last n_dq programs (``HAS_DQ``): the fast
+    mode's remainder tiles' dQ parts summed (``_dq_part_rows``: tile i // DQ_BH, head
+    i % DQ_BH). (One
+    launch for what took four: the conversion, the dQ parts, grad_sink's parts and
+    PyTorch's sum of them; a call's host time is spread over its launches,
+    docs/performance/backward.md#a-calls-host-time-taken-apart-measured.)"""
     pid = tl.program_id(0)
+    n_hb = tl.cdiv(H, BLOCK_H)
+    n_sink = n_seg * n_hb
     if pid < n_conv:
         n_cb: tl.constexpr = D // BLOCK_C
         _acc_rows_to_kv(ACC, GRAD_KV, N, pid // n_cb, pid % n_cb, D, BLOCK_N, BLOCK_C, FAKE_ORDER)
-    else:
+    elif pid < n_conv + n_sink:
         if HAS_SINK:
             s = pid - n_conv
-            n_hb = tl.cdiv(H, BLOCK_H)
             _sink_part(SINK, LSE, DELTA, PART, s // n_hb, s % n_hb, T, H, stride_lt, SEG_T, BLOCK_H)
             # Every thread's part stored before one thread takes the ticket with release
             # semantics; the last program's acquire then sees every program's part.
             tl.debug_barrier()
             done = tl.atomic_add(TICKET, 1, sem="acq_rel", scope="gpu")
-            if done == n_seg * n_hb - 1:
+            if done == n_sink - 1:
                 _sum_sink_parts(PART, GRAD_SINK, H, n_seg, SUM_SEG, SUM_H)
+    else:
+        if HAS_DQ:  # (D = 512 only: the parts exist only there)
+            i = pid - n_conv - n_sink
+            _dq_part_rows(DQF, DQ, i // DQ_BH, i % DQ_BH, dq_t_begin, dq_n_full, dq_n_parts, dq_n_hb, H,
+                          stride_gt, stride_gh, D, DQ_BH)
 
 
 def fold_block_d(D: int, rows: int = 1) -> int:
@@ -510,9 +575,12 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         main.launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, p_begin, n_tok, scale,
                     scale * LOG2E, paired, **opts)
 
+    dq_jobs = []  # the fast mode's remainder dQ parts, summed by the epilogue
     if T > 0 and not deterministic:
         if topk_length is not None and hasattr(main, "schedule"):
             orders = main.schedule(topk_length, T, H, paired, tokens)
+        if getattr(main, "DEFERS_DQ_PARTS", False):
+            main_options = dict(main_options, dq_parts=dq_jobs)
         launch(0, T, None, counters[4:] if n_main_flags else None)
     elif T > 0:
         n_sm = cuda_properties(dev).multi_processor_count if dev.type == "cuda" else 0
@@ -568,7 +636,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                     num_warps=fold_warps,
                 )
 
-    grad_kv, grad_sink = epilogue(acc, kv.dtype, main.ACC_FAKE_ORDER, attn_sink, lse, delta, counters[:1])
+    grad_kv, grad_sink = epilogue(acc, kv.dtype, main.ACC_FAKE_ORDER, attn_sink, lse, delta, counters[:1],
+                                  dq_jobs[0] if dq_jobs else None)
     return grad_q, grad_kv, grad_sink
 
 
@@ -595,11 +664,13 @@ def zeroed_accumulator(N: int, D: int, n_flags: int, device) -> tuple[torch.Tens
     return buf[:N * D].view(N, D), buf[n_acc:].view(torch.int32)
 
 
-def epilogue(acc, kv_dtype, fake_order: bool, attn_sink, lse, delta, ticket):
+def epilogue(acc, kv_dtype, fake_order: bool, attn_sink, lse, delta, ticket,
+             dq_parts: DqParts | None = None):
     """grad_kv (``acc`` [N, D] fp32 in kv's dtype, undoing the fake column order) and
     grad_sink ([H] fp32 = -sum_t exp(sink - lse) * Delta by segments of ``SINK_SEG_T`` rows,
     then their sum in segment order: the same bits for a given T; empty without a sink), in
-    one launch. ``ticket``: an int32 zero the launch counts its sink programs on."""
+    one launch, with ``dq_parts`` summed into their grad_q rows. ``ticket``: an int32 zero
+    the launch counts its sink programs on."""
     N, D = acc.shape
     T, H = delta.shape
     dev = acc.device
@@ -618,12 +689,23 @@ def epilogue(acc, kv_dtype, fake_order: bool, attn_sink, lse, delta, ticket):
     else:
         grad_sink = torch.empty((H,), dtype=torch.float32, device=dev)
     part = torch.empty((n_seg, H), dtype=torch.float32, device=dev) if n_seg else acc
-    n_prog = n_conv + n_seg * triton.cdiv(H, block_h)
+    n_dq = dq_parts.n_rem * dq_parts.bh if dq_parts is not None else 0
+    if n_dq and tuple(dq_parts.grad_q.shape[2:]) != (D,):
+        raise ValueError(f"dq_parts: grad_q's last dim must be the accumulator's {D}, "
+                         f"got {tuple(dq_parts.grad_q.shape)}")
+    n_prog = n_conv + n_dq + n_seg * triton.cdiv(H, block_h)
     if n_prog:
-        # (without parts, the sink's pointers are never read: the accumulator stands in)
+        # (the pointers of a part without programs are never read: the accumulator stands in)
         sink_args = (attn_sink, lse, delta, part, grad_sink) if n_seg else (acc,) * 5
+        if n_dq:
+            j = dq_parts
+            dq_args = (j.dqf, j.grad_q, n_dq, j.t_begin, j.n_full, j.n_parts, j.n_hb, j.grad_q.stride(0),
+                       j.grad_q.stride(1))
+        else:
+            dq_args = (acc, acc, 0, 0, 0, 1, 1, 0, 0)
         _epilogue_kernel[(n_prog,)](
-            acc, grad_kv, N, n_conv, *sink_args, ticket, T, H, lse.stride(0) if n_seg else 0, n_seg,
+            acc, grad_kv, N, n_conv, *sink_args, ticket, T, H, lse.stride(0) if n_seg else 0, n_seg, *dq_args,
             D=D, BLOCK_N=block_n, BLOCK_C=block_c, FAKE_ORDER=fake_order, HAS_SINK=n_seg > 0,
-            SEG_T=SINK_SEG_T, BLOCK_H=block_h, SUM_SEG=max(1, 4096 // sum_h), SUM_H=sum_h, num_warps=4)
+            SEG_T=SINK_SEG_T, BLOCK_H=block_h, SUM_SEG=max(1, 4096 // sum_h), SUM_H=sum_h,
+            HAS_DQ=n_dq > 0, DQ_BH=dq_parts.bh if n_dq else 64, num_warps=4)
     return grad_kv, grad_sink

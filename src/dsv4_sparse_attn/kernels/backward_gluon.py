@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -47,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .backward import DqParts, sum_dq_parts
 from .common import cuda_properties
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON_VERSION, TensorDescriptor,
                      async_load, balanced_order, fake_group_base, hopper_rejects, load_ids, red_f32x4_fake,
@@ -584,8 +584,9 @@ def _tile_dq_out(DQ, dq0, dq1, H, pid_t, pid_h, stride_gt, stride_gh, q_smem, ba
     out (``DQ_TMA``: 0 plain stores, 1 through its q quarters by TMA)
     and q and dO released to the producer (``_QD_FREE``). With ``PARTS``, ``PART`` = (DQF,
     prow): a part of a remainder tile (prow >= 0) stores its dQ part in fp32 into DQF's row
-    block prow ([parts, 64, 512]), for _dq_parts_kernel to sum. (Without PARTS there is no
-    such branch: folded away, it failed to lower under Triton 3.6.)"""
+    block prow ([parts, 64, 512]), for the backward's epilogue (or ``backward.sum_dq_parts``)
+    to sum. (Without PARTS there is no such branch: folded away, it failed to lower under
+    Triton 3.6.)"""
     if PARTS:
         DQF, prow = PART
         if prow >= 0:
@@ -1364,12 +1365,13 @@ def options_summary() -> str:
 
 
 LAUNCH_CACHE = True  # ``launch`` takes ``cache``
+DEFERS_DQ_PARTS = True  # ``launch`` takes ``dq_parts``
 
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, tokens=None, lines=None, order=None, evict_last=None,
            split=None, qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None, head_pad=None,
-           transposed=None, cache=None, split_remainder=None, pairs_code=None):
+           transposed=None, cache=None, split_remainder=None, pairs_code=None, dq_parts=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -1390,7 +1392,10 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     (``_pairs_code``).
     ``cache``: a dict kept over the chunks of one call (empty at the first): the launch's
     TMA descriptors and rope scratch are made once a call, not once a chunk (host time: a
-    call at K = 2048 is 32 chunks)."""
+    call at K = 2048 is 32 chunks).
+    ``dq_parts``: None, or a list to which the launch appends the remainder tiles' dQ parts
+    (``backward.DqParts``) for the caller's epilogue to sum, instead of summing them in a
+    launch of its own."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
@@ -1454,9 +1459,11 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
     if n_units > n_full:  # the remainder tiles' dQ: their parts summed in order
-        _dq_parts_kernel[(n_tiles - n_full, BLOCK_H)](
-            dqf, grad_q, t_begin, n_full, n_parts, triton.cdiv(H, BLOCK_H), H, grad_q.stride(0),
-            grad_q.stride(1), D=D, BH=BLOCK_H, num_warps=4)
+        job = DqParts(dqf, grad_q, t_begin, n_full, n_parts, n_tiles - n_full, n_hb, BLOCK_H)
+        if dq_parts is None:
+            sum_dq_parts(job)
+        else:  # (the caller's epilogue launch sums them)
+            dq_parts.append(job)
 
 
 def _remainder_parts(n_tiles: int, grid: int, nb: int, allowed: bool) -> tuple[int, int]:
@@ -1470,24 +1477,6 @@ def _remainder_parts(n_tiles: int, grid: int, nb: int, allowed: bool) -> tuple[i
         return n_tiles, 1
     per = triton.cdiv(nb, min(nb, grid // r))  # slot blocks a part
     return n_tiles - r, triton.cdiv(nb, per)
-
-
-@triton.jit
-def _dq_parts_kernel(DQF, DQ, t_begin, n_full, n_parts, n_hb, H, stride_gt, stride_gh, D: tl.constexpr,
-                     BH: tl.constexpr):
-    """Program (i, h): head h of remainder tile n_full + i, the sum of its parts' fp32 dQ rows
-    in part order (so the same bits whichever part finished first), into DQ's dtype."""
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    tile = n_full + i
-    head = (tile % n_hb) * BH + h
-    if head < H:
-        d = tl.arange(0, D)
-        acc = tl.zeros([D], dtype=tl.float32)
-        for p in range(0, n_parts):
-            acc += tl.load(DQF + ((i * n_parts + p) * BH + h).to(tl.int64) * D + d)
-        t = t_begin + tile // n_hb
-        tl.store(DQ + t.to(tl.int64) * stride_gt + head * stride_gh + d, acc.to(DQ.dtype.element_ty))
 
 
 def trace_shape(n_tok: int, H: int, device, paired: bool) -> tuple[int, int, int]:
