@@ -536,6 +536,30 @@ def test_backward_is_deterministic(gluon):
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("T, H", [(33000, 128), (4096, 64), (257, 5)])
+def test_epilogue_sink_sum_takes_every_part(T, H):
+    """The epilogue's grad_sink: the last of its many programs (T / 256 segments times H / 16
+    head blocks: 1040 at T = 33000, H = 128) to take the ticket sums every program's part;
+    a program that read a part before its store was visible would change the sum. Fifty
+    launches, each on a fresh ticket and poisoned outputs, beside grad_kv's conversion:
+    bitwise the same every time, and the float64 formula's value. The ticket ends at the
+    number of parts' programs."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    lse = torch.randn(T, H, device=DEV, generator=g)
+    delta = torch.randn(T, H, device=DEV, generator=g)
+    sink = torch.randn(H, device=DEV, generator=g)
+    want = -(torch.exp(sink.double()[None] - lse.double()) * delta.double()).sum(0)
+    first = None
+    for _ in range(50):
+        acc, counters = kbwd.zeroed_accumulator(3000, 512, 4, DEV)
+        acc.normal_(generator=g)
+        gkv, gs = kbwd.epilogue(acc, BF, True, sink, lse, delta, counters[:1])
+        first = gs.clone() if first is None else first
+        assert torch.equal(gs, first)
+        assert counters[0].item() == -(-T // kbwd.SINK_SEG_T) * -(-H // 16)
+    torch.testing.assert_close(first.double(), want, rtol=1e-5, atol=1e-4)
+
+
 def _n_compiled(jit_fn) -> int:
     return sum(len(c[0]) for c in jit_fn.device_caches.values())
 
