@@ -105,6 +105,12 @@ def test_epilogue_kernel_interpreted():
     delta = torch.randn(T, H)
     sink = torch.tensor([0.5, -1.0, float("-inf"), float("inf"), float("nan")])
     want_sink = -(torch.exp(sink.double()[None, :] - lse.double()) * delta.double()).sum(0)
+    # the ticket and the fast mode's counters after it 16-byte aligned, as the kernels are
+    # specialised for, whatever N * D
+    for N, D, n in [(3, 7, 4), (5, 33, 9), (0, 64, 4)]:
+        acc, counters = kbwd.zeroed_accumulator(N, D, n, "cpu")
+        assert counters.data_ptr() % 16 == 0 and counters[4:].data_ptr() % 16 == 0
+        assert acc.shape == (N, D) and acc.is_contiguous() and counters.shape == (n,)
     for N, D, fake in [(37, 64, True), (300, 576, False), (0, 64, True)]:
         acc, counters = kbwd.zeroed_accumulator(N, D, 4, "cpu")
         assert acc.eq(0).all() and counters.eq(0).all() and counters.dtype == torch.int32
