@@ -557,7 +557,7 @@ def test_epilogue_sink_sum_takes_every_part(T, H):
         first = gs.clone() if first is None else first
         assert torch.equal(gs, first)
         assert counters[0].item() == -(-T // kbwd.SINK_SEG_T) * -(-H // 16)
-    torch.testing.assert_close(first.double(), want, rtol=1e-5, atol=1e-4)
+    assert relerr(first.double(), want) < 1e-5  # (over the heads: a head's sum may cancel to near 0)
 
 
 def _n_compiled(jit_fn) -> int:
