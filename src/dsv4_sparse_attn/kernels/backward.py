@@ -12,13 +12,12 @@
    - fast: fp32 atomic adds straight into the accumulator (the order, and so the last
      bits, vary from run to run).
 3. ``_epilogue_kernel``, one launch: the accumulator to grad_kv in kv's dtype (undoing the
-   Gluon kernel's column order), and grad_sink = -sum_t exp(sink - lse) * Delta (per-segment
+   Gluon kernel's column order), grad_sink = -sum_t exp(sink - lse) * Delta (per-segment
    sums, then, by the segments' last program, their sum in a fixed order; no [T, H]
-   temporary).
+   temporary), and in the fast mode the Gluon kernel's remainder tiles' dQ parts summed.
 
-The accumulator and the main kernel's counters are one zero-filled allocation: the call
-launches a memset, Delta, the main kernel (and in the fast mode the remainder tiles' dQ
-sum) and the epilogue.
+The accumulator and the main kernel's counters are one zero-filled allocation: a fast call
+launches a memset, Delta, the main kernel and the epilogue.
 
 The chunk of tokens bounds the partial rows (``PARTIAL_BYTES``) whatever T is. With
 per-token lengths and large partial rows a token (short chunks), the chunks take the tokens
@@ -443,9 +442,8 @@ def _epilogue_kernel(ACC, GRAD_KV, N, n_conv, SINK, LSE, DELTA, PART, GRAD_SINK,
     parts each; the last of them to finish (a ticket: TICKET, int32, zero before the
     launch) sums the parts into grad_sink. The last n_dq programs (``HAS_DQ``): the fast
     mode's remainder tiles' dQ parts summed (``_dq_part_rows``: tile i // DQ_BH, head
-    i % DQ_BH). (One
-    launch for what took four: the conversion, the dQ parts, grad_sink's parts and
-    PyTorch's sum of them; a call's host time is spread over its launches,
+    i % DQ_BH). (One launch for what took four: the conversion, the dQ parts, grad_sink's
+    parts and PyTorch's sum of them; a call's host time is spread over its launches,
     docs/performance/backward.md#a-calls-host-time-taken-apart-measured.)"""
     pid = tl.program_id(0)
     n_hb = tl.cdiv(H, BLOCK_H)
@@ -690,9 +688,9 @@ def epilogue(acc, kv_dtype, fake_order: bool, attn_sink, lse, delta, ticket,
         grad_sink = torch.empty((H,), dtype=torch.float32, device=dev)
     part = torch.empty((n_seg, H), dtype=torch.float32, device=dev) if n_seg else acc
     n_dq = dq_parts.n_rem * dq_parts.bh if dq_parts is not None else 0
-    if n_dq and tuple(dq_parts.grad_q.shape[2:]) != (D,):
-        raise ValueError(f"dq_parts: grad_q's last dim must be the accumulator's {D}, "
-                         f"got {tuple(dq_parts.grad_q.shape)}")
+    if n_dq and (tuple(dq_parts.grad_q.shape[2:]) != (D,) or D & (D - 1)):
+        raise ValueError(f"dq_parts: grad_q's last dim must be the accumulator's {D}, a power of two "
+                         f"(the parts exist at D = 512), got {tuple(dq_parts.grad_q.shape)}")
     n_prog = n_conv + n_dq + n_seg * triton.cdiv(H, block_h)
     if n_prog:
         # (the pointers of a part without programs are never read: the accumulator stands in)
