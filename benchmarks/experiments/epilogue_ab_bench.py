@@ -13,7 +13,8 @@ benchmarks/gpu_session.sh next``, whose rows are this script's output.)
 
 Per row and mode: the host time a call in the steady state (calls queued back to back, the
 GPU behind: ``host_gap_bench.steady_us``) and the time a call with the GPU waiting on
-nothing but the calls (CUDA events around 20 calls), A, B, A, B, medians. Checks first:
+nothing but the calls (CUDA events around 20 calls), each the better of its passes in
+alternating order (``side_by_side.best_of_ab``). Checks first:
 the deterministic mode's grad_q and grad_kv bitwise equal between the arms and grad_sink
 within 1e-5 (its parts are summed in another order), the fast mode's gradients against the
 deterministic ones. Prediction: about 190 us less host time a fast call at H64 K640 (145
@@ -23,7 +24,6 @@ deterministic), the GPU time level
 import importlib.util
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -32,7 +32,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import dsv4_sparse_attn  # noqa: F401,E402
 from dsv4_sparse_attn.kernels import backward as kbwd  # noqa: E402
 from dsv4_sparse_attn.kernels import backward_gluon  # noqa: E402
+from dsv4_sparse_attn.testing import relerr  # noqa: E402
 from host_gap_bench import case, steady_us  # noqa: E402  (this directory)
+from side_by_side import best_of_ab  # noqa: E402
 
 ROWS = [(4096, 64, 640), (4096, 64, 160), (4096, 128, 1152)]
 
@@ -58,10 +60,6 @@ def call_ms(fn, n=20):
     return a.elapsed_time(b) / n
 
 
-def relerr(x, y):
-    return ((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30)).item()
-
-
 def main():
     base = load_base(os.environ.get("BASE_BACKWARD", ".peers/backward_base.py"))
     rounds = int(os.environ.get("EPILOGUE_ROUNDS", "2"))
@@ -82,17 +80,11 @@ def main():
                 r.update({f"{n}_err_{g}": relerr(got[i], ref[i]) for n, got in (("new", new), ("base", old))
                           for i, g in enumerate(("dq", "dkv", "sink"))})
             new = old = ref = None
-            host = {n: [] for n in fns}
-            wall = {n: [] for n in fns}
-            for i in range(2 * rounds):  # A, B, B, A, ...
-                order = ("new", "base") if i % 2 == 0 else ("base", "new")
-                for n in order:
-                    host[n].append(steady_us(fns[n], 10 if det else 30))
-                    wall[n].append(round(call_ms(fns[n]), 4))
-            for n in fns:
-                r[f"{n}_host_us"] = statistics.median(host[n])
-                r[f"{n}_ms"] = statistics.median(wall[n])
-                r[f"{n}_host_us_all"], r[f"{n}_ms_all"] = host[n], wall[n]
+            n_calls = 10 if det else 30
+            for n, us in best_of_ab(fns, 2 * rounds, timer=lambda fn: steady_us(fn, n_calls)).items():
+                r[f"{n}_host_us"] = us
+            for n, ms in best_of_ab(fns, 2 * rounds, timer=call_ms).items():
+                r[f"{n}_ms"] = round(ms, 4)
             print(json.dumps(r), flush=True)
         q = kv = idx = do = out = lse = None
         torch.cuda.empty_cache()
