@@ -102,7 +102,7 @@ def _written(text: str) -> range | None:
     text = re.sub(r"^@!?U?P\w+\s+", "", text)
     op, _, rest = text.partition(" ")
     m = re.match(r"\s*R(\d+)\b", rest)
-    if m is None or (op.startswith(_UNWRITTEN) and not op.startswith("HGMMA")):
+    if m is None or op.startswith(_UNWRITTEN):
         return None
     width = 1
     if op.startswith("HGMMA"):  # the accumulator: N / 2 fp32 registers of m64nNk16
