@@ -541,7 +541,7 @@ def test_epilogue_sink_sum_takes_every_part(T, H):
     """The epilogue's grad_sink: the last of its many programs (T / 256 segments times H / 16
     head blocks: 1040 at T = 33000, H = 128) to take the ticket sums every program's part;
     a program that read a part before its store was visible would change the sum. Fifty
-    launches, each on a fresh ticket and poisoned outputs, beside grad_kv's conversion:
+    launches, each on a fresh ticket and a fresh accumulator, beside grad_kv's conversion:
     bitwise the same every time, and the float64 formula's value. The ticket ends at the
     number of parts' programs."""
     g = torch.Generator(device=DEV).manual_seed(0)

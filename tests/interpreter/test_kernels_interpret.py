@@ -95,7 +95,8 @@ def test_epilogue_kernel_interpreted():
     SINK_SEG_T rows (the last partly masked; a head block partly masked), strided lse,
     non-finite sinks: as the float64 formula, IEEE cases included (-inf: zero; +inf with
     finite lse: infinite terms of both signs, NaN), summed by the last of its programs on
-    the ticket, which ends at their count. Outputs poisoned: every element written."""
+    the ticket, which ends at their count. grad_kv equal to the random accumulator's values
+    element for element (an unwritten element would not be)."""
     from dsv4_sparse_attn.kernels import backward as kbwd
     from dsv4_sparse_attn.kernels.hopper import fake_col
 
