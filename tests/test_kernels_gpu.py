@@ -91,6 +91,21 @@ GLUON_BWD_CASES = [c for c in CASES if c.D == 512] + _GLUON_EXTRA + [
 ]
 
 
+def test_gluon_kernels_run_on_hopper():
+    """On an H100/H200 both Gluon kernels take the D = 512 and 576/512 layouts: the Gluon
+    tests below skip where a kernel's rule rejects a call, and this keeps those skips from
+    hiding, on the one machine that runs them, a Triton without Gluon's Hopper API."""
+    from dsv4_sparse_attn.kernels import backward_gluon, forward_gluon, hopper
+
+    reason = hopper.not_sm90(torch.device(DEV))
+    if reason:
+        pytest.skip(f"not a Hopper GPU: {reason}")
+    assert hopper.gluon_unavailable() is None
+    for D, d_v in ((512, 0), (576, 512)):  # (d_v 0: values as wide as keys)
+        call = Call(torch.device(DEV), BF, D, 64, True, d_v)
+        assert forward_gluon.rejects(call) is None and backward_gluon.rejects(call) is None, (D, d_v)
+
+
 @pytest.mark.parametrize("case", GLUON_CASES, ids=str)
 def test_gluon_forward_matches_reference(case):
     from dsv4_sparse_attn.kernels import forward_gluon
