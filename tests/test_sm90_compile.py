@@ -171,9 +171,12 @@ def test_gluon_forward_d512_compiles_for_sm90(has_sink, has_len, dead):
     assert r["shared"] <= H200_SMEM_LIMIT, r
     assert r["wgmma"] > 0 and r["mma_sync"] == 0, r
     # No register spills: hoisted wgmma descriptors that spilled once cost this kernel 19%
-    # (docs/performance/forward.md#warp-specialisation-and-persistence).
-    assert r["spill_bytes"] == 0, r
-    assert len(r["mma_loops"]) == 2 and all(lp["LDL"] == 0 for lp in r["mma_loops"]), r["mma_loops"]
+    # (docs/performance/forward.md#warp-specialisation-and-persistence). Under Triton 3.9,
+    # with its descriptors kept uniform (hopper.fresh), ptxas spills one value (8-12 bytes)
+    # in all but the default build, reloaded at most once a block loop.
+    spill, reloads = (16, 1) if TRITON_VERSION >= (3, 9) else (0, 0)
+    assert r["spill_bytes"] <= spill, r
+    assert len(r["mma_loops"]) == 2 and all(lp["LDL"] <= reloads for lp in r["mma_loops"]), r["mma_loops"]
     assert all(lp["R2UR"] <= _r2ur_allowance("forward") for lp in r["mma_loops"]), r["mma_loops"]
 
 
@@ -419,34 +422,23 @@ def test_gluon_backward_transposed_small_head_tiles_compile_for_sm90(hp, dq_tma)
 
 
 def _r2ur_allowance(kernel: str) -> int:
-    """Moves into uniform registers (R2UR) allowed in a block loop of the Gluon ``kernel``.
-    Up to Triton 3.8 ptxas forms the wgmma descriptors in the uniform datapath (64-bit
-    uniform adds, no move). Triton 3.9's PTX builds each descriptor with a 32-bit add, a
-    widening and an or, and ptxas (its own or 3.6's) then computes them in vector registers
-    and moves each into a uniform one before its wgmma: 7-18% more instructions a loop, the
-    forward 1-8% and the backward 6-8% slower than under 3.6 or 3.8
-    (docs/performance/backward.md#triton-39). Under 3.9 a ratchet on today's counts."""
-    if TRITON_VERSION < (3, 9):
-        return 0
-    return {"forward": 65, "backward": 224}[kernel]
+    """Moves into uniform registers (R2UR) allowed in a block loop of the Gluon ``kernel``:
+    none. Up to Triton 3.8 ptxas forms the wgmma descriptors in the uniform datapath (64-bit
+    uniform adds, no move). Triton 3.9's LLVM hoists every descriptor's arithmetic ahead of
+    the chain of wgmmas, and with that many live ptxas computed them in vector registers and
+    moved each into a uniform one before its wgmma (65 a forward loop, 154-224 a backward
+    one); each call site's buffer index through ``hopper.fresh`` keeps them uniform
+    (docs/performance/backward.md#triton-39s-descriptors-kept-uniform-static),
+    but for one move left in a forward loop of some builds (no sink; lengths)."""
+    return 1 if kernel == "forward" and TRITON_VERSION >= (3, 9) else 0
 
 
 def _reload_allowance(red: bool, has_len: bool = False, paired: bool = False) -> int:
-    """Spill reloads allowed in a block loop: none up to Triton 3.8. Triton 3.9's register
-    allocation keeps more 64-bit address values alive across the loop (deterministic /
-    fast: 30 / 46 reloads per loop before the loop-variant ids bound of 39cd173, 13 / 28-29
-    after, 13 / 17-19 with the fast mode's whole-line reductions and the pairs' code
-    compiled out, backward_gluon._pairs_code, 14-15 / 17-19 with the partial rows' 16-byte
-    stores, 12-13 / 7-8 with the block loop's counter opaque to LLVM, 11 / 7-8 with an
-    int32 partial-row block index, 11 / 6-7 with the ids bounds plain again, 10 / 5-6 with a
-    thread's second dKV row formed from its first, 9 / 5-6 with one partial-row index for the
-    block and the slot; the deterministic 3 at one head block, the head-block pairs' code
-    compiled out: backward_gluon._pairs_code); a ratchet on today's counts, whose cost on the
-    H200 is in docs/performance/backward.md#triton-39. With lengths, one more: the token's
-    clamped length, a computed value where K is a kernel argument."""
-    if TRITON_VERSION < (3, 9):
-        return 0
-    return (6 if red else 9 if paired else 3) + has_len
+    """Spill reloads allowed in a block loop: none. (Triton 3.9's register allocation once
+    kept more 64-bit address values alive across the loop, 30 / 46 reloads a deterministic /
+    fast loop at first, 3 / 5-6 after a series of changes, docs/performance/backward.md#triton-39;
+    its wgmma descriptors kept uniform, ``hopper.fresh``, none.)"""
+    return 0
 
 
 def test_wgmma_accumulator_layout_is_what_the_reductions_assume():

@@ -50,7 +50,7 @@ from .backward import DqParts, sum_dq_parts
 from .common import cuda_properties
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON_VERSION, TensorDescriptor,
                      async_load, balanced_order, fake_group_base, hopper_rejects, load_ids, red_f32x4_fake,
-                     red_f32x4_lines, st_f32x4_fake, thread_barrier, tma_load, tma_store,
+                     red_f32x4_lines, st_f32x4_fake, fresh, thread_barrier, tma_load, tma_store,
                      tma_store_wait)
 
 NAME = "gluon_sm90"
@@ -473,26 +473,32 @@ def _pair_roles(FLAGS, paired, pid_c, pid_h, n_hb, nb, offs_ks, RED: gl.constexp
 
 
 @gluon.jit
+def _qk(a_smem, kv_smem, quarter, acc, use_acc: gl.constexpr = True):
+    """acc + a[quarter] kv[quarter]^T, issued asynchronously; the quarter's index formed here
+    (``hopper.fresh``: under Triton 3.9 the descriptors stay in the uniform datapath)."""
+    return warpgroup_mma(a_smem.index(fresh(quarter)), kv_smem.index(fresh(quarter)).permute((1, 0)), acc,
+                         use_acc=use_acc, is_async=True)
+
+
+@gluon.jit
 def _scores(q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars, z, ph, ids, N, s_zero, scale, scale_log2,
             lse2, row_ok, delta, ROPE: gl.constexpr):
     """A block's S = q kv^T and dP = dO kv^T (each kv half as soon as it has landed), then
     P and dS (scale folded in); masked slots (ids out of [0, N)) have P = 0."""
     mbarrier.wait(bars.index(_KV_READY + 0), ph)
     fence_async_shared()
-    s = warpgroup_mma(q_smem.index(z), kv_smem.index(z).permute((1, 0)), s_zero, use_acc=False,
-                      is_async=True)
-    dp = warpgroup_mma(do_smem.index(z), kv_smem.index(z).permute((1, 0)), s_zero, use_acc=False,
-                       is_async=True)
-    s = warpgroup_mma(q_smem.index(z + 1), kv_smem.index(z + 1).permute((1, 0)), s, is_async=True)
-    dp = warpgroup_mma(do_smem.index(z + 1), kv_smem.index(z + 1).permute((1, 0)), dp, is_async=True)
+    s = _qk(q_smem, kv_smem, z, s_zero, False)
+    dp = _qk(do_smem, kv_smem, z, s_zero, False)
+    s = _qk(q_smem, kv_smem, z + 1, s)
+    dp = _qk(do_smem, kv_smem, z + 1, dp)
     mbarrier.wait(bars.index(_KV_READY + 1), ph)
     fence_async_shared()
-    s = warpgroup_mma(q_smem.index(z + 2), kv_smem.index(z + 2).permute((1, 0)), s, is_async=True)
-    dp = warpgroup_mma(do_smem.index(z + 2), kv_smem.index(z + 2).permute((1, 0)), dp, is_async=True)
-    s = warpgroup_mma(q_smem.index(z + 3), kv_smem.index(z + 3).permute((1, 0)), s, is_async=True)
-    dp = warpgroup_mma(do_smem.index(z + 3), kv_smem.index(z + 3).permute((1, 0)), dp, is_async=True)
+    s = _qk(q_smem, kv_smem, z + 2, s)
+    dp = _qk(do_smem, kv_smem, z + 2, dp)
+    s = _qk(q_smem, kv_smem, z + 3, s)
+    dp = _qk(do_smem, kv_smem, z + 3, dp)
     if ROPE > 0:  # the score-only columns: S only
-        s = warpgroup_mma(qr_smem.index(z), kvr_smem.index(z).permute((1, 0)), s, is_async=True)
+        s = _qk(qr_smem, kvr_smem, z, s)
     s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
     valid = (ids >= 0) & (ids < N)
     p = gl.exp2(s * scale_log2 - lse2[:, None])
@@ -694,8 +700,8 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
 
         mbarrier.wait(ready, pph)
         # dQ[:, my half] += dS KV[:, my half] (scale is folded into dS).
-        dq0 = warpgroup_mma(ds_smem.index(pb), kv_smem.index(2 * WG + z), dq0, is_async=True)
-        dq1 = warpgroup_mma(ds_smem.index(pb), kv_smem.index(2 * WG + 1 + z), dq1, is_async=True)
+        dq0 = warpgroup_mma(ds_smem.index(pb), kv_smem.index(2 * WG + fresh(z)), dq0, is_async=True)
+        dq1 = warpgroup_mma(ds_smem.index(pb), kv_smem.index(2 * WG + 1 + fresh(z)), dq1, is_async=True)
         dq0, dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, dq1))
         mbarrier.arrive(bars.index(_KV_FREE + WG))  # my kv half: the next block's gather may start
         if mine:
@@ -812,16 +818,15 @@ def _consume_tile_split_t(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end,
         if mine:  # my block: S^T, dP^T, P^T and dS^T
             mbarrier.wait(bars.index(_KV_READY + 0), ph)
             fence_async_shared()
-            s = warpgroup_mma(kv_smem.index(z), _heads_t(q_smem, z, HP), t_zero, use_acc=False, is_async=True)
-            dp = warpgroup_mma(kv_smem.index(z), _heads_t(do_smem, z, HP), t_zero, use_acc=False,
-                               is_async=True)
-            s = warpgroup_mma(kv_smem.index(z + 1), _heads_t(q_smem, z + 1, HP), s, is_async=True)
-            dp = warpgroup_mma(kv_smem.index(z + 1), _heads_t(do_smem, z + 1, HP), dp, is_async=True)
+            s = _qk_t(kv_smem, q_smem, z, t_zero, HP, False)
+            dp = _qk_t(kv_smem, do_smem, z, t_zero, HP, False)
+            s = _qk_t(kv_smem, q_smem, z + 1, s, HP)
+            dp = _qk_t(kv_smem, do_smem, z + 1, dp, HP)
             mbarrier.wait(bars.index(_KV_READY + 1), ph)
             fence_async_shared()
             for c in gl.static_range(2, 4):
-                s = warpgroup_mma(kv_smem.index(z + c), _heads_t(q_smem, z + c, HP), s, is_async=True)
-                dp = warpgroup_mma(kv_smem.index(z + c), _heads_t(do_smem, z + c, HP), dp, is_async=True)
+                s = _qk_t(kv_smem, q_smem, z + c, s, HP)
+                dp = _qk_t(kv_smem, do_smem, z + c, dp, HP)
             s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
             ids = load_ids(idx_row, j * _BK, k_end, offs_s)
             valid = (ids >= 0) & (ids < N)
@@ -837,14 +842,14 @@ def _consume_tile_split_t(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end,
         mbarrier.wait(ready, pph)
         # dQ^T[my half] += KV^T[my half] dS^T (M = 64 columns a piece, N = HP heads, K = 64 slots).
         dst = ds_smem.index(pb)
-        dq0 = warpgroup_mma(kv_smem.index(2 * WG + z).slice(0, 64, dim=1).permute((1, 0)), dst, dq0,
-                            is_async=True)
-        dq1 = warpgroup_mma(kv_smem.index(2 * WG + z).slice(64, 64, dim=1).permute((1, 0)), dst, dq1,
-                            is_async=True)
-        dq2 = warpgroup_mma(kv_smem.index(2 * WG + 1 + z).slice(0, 64, dim=1).permute((1, 0)), dst, dq2,
-                            is_async=True)
-        dq3 = warpgroup_mma(kv_smem.index(2 * WG + 1 + z).slice(64, 64, dim=1).permute((1, 0)), dst, dq3,
-                            is_async=True)
+        dq0 = warpgroup_mma(kv_smem.index(2 * WG + fresh(z)).slice(0, 64, dim=1).permute((1, 0)), dst,
+                            dq0, is_async=True)
+        dq1 = warpgroup_mma(kv_smem.index(2 * WG + fresh(z)).slice(64, 64, dim=1).permute((1, 0)), dst,
+                            dq1, is_async=True)
+        dq2 = warpgroup_mma(kv_smem.index(2 * WG + 1 + fresh(z)).slice(0, 64, dim=1).permute((1, 0)), dst,
+                            dq2, is_async=True)
+        dq3 = warpgroup_mma(kv_smem.index(2 * WG + 1 + fresh(z)).slice(64, 64, dim=1).permute((1, 0)), dst,
+                            dq3, is_async=True)
         dq0, dq1, dq2, dq3 = warpgroup_mma_wait(num_outstanding=0, deps=(dq0, dq1, dq2, dq3))
         mbarrier.arrive(bars.index(_KV_FREE + WG))  # my kv half: the next block's gather may start
         if mine:
@@ -893,6 +898,14 @@ def _consume_tile_split_t(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end,
 def _heads_t(smem, quarter, HP: gl.constexpr):
     """The first HP head rows of D quarter ``quarter`` of q or dO, transposed: [128, HP]."""
     return smem.index(quarter).slice(0, HP, dim=0).permute((1, 0))
+
+
+@gluon.jit
+def _qk_t(kv_smem, a_smem, quarter, acc, HP: gl.constexpr, use_acc: gl.constexpr = True):
+    """acc + kv[quarter] a[quarter]^T over the first HP heads of q or dO, issued asynchronously;
+    the quarter's index formed here (``_qk``)."""
+    return warpgroup_mma(kv_smem.index(fresh(quarter)), _heads_t(a_smem, fresh(quarter), HP), acc,
+                         use_acc=use_acc, is_async=True)
 
 
 @gluon.jit
@@ -951,6 +964,7 @@ def _dkv_piece(p_smem, ds_smem, do_smem, q_smem, quarter, hh: gl.constexpr, HP: 
     the rows of P and dS past H are zeros, so a tile of H <= 16 or 32 heads contracts over
     16 or 32 of them, not 64). P and dS are [64 heads, 64 slots], read transposed, or
     (``TRANS``, ``_consume_tile_split_t``) already P^T and dS^T, [64 slots, HP heads]."""
+    quarter = fresh(quarter)  # (formed here, not hoisted: hopper.fresh)
     if TRANS:
         a_p = p_smem
         a_ds = ds_smem
@@ -1090,8 +1104,8 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
 
         mbarrier.wait(bars.index(_PDS_READY), ph)
         # dQ[:, my half] += dS KV[:, my half] (scale is folded into dS).
-        dq0 = warpgroup_mma(ds_smem.index(z), kv_smem.index(2 * WG + z), dq0, is_async=True)
-        dq1 = warpgroup_mma(ds_smem.index(z), kv_smem.index(2 * WG + 1 + z), dq1, is_async=True)
+        dq0 = warpgroup_mma(ds_smem.index(z), kv_smem.index(2 * WG + fresh(z)), dq0, is_async=True)
+        dq1 = warpgroup_mma(ds_smem.index(z), kv_smem.index(2 * WG + 1 + fresh(z)), dq1, is_async=True)
         if ROPE > 0:
             dqp = warpgroup_mma(ds_smem.index(z), kvr_smem.index(z).slice(32 * WG, 32, dim=1), r_zero,
                                 use_acc=False, is_async=True)

@@ -47,7 +47,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .common import cuda_properties
 from .forward_triton import FWD_RUNTIME_INTS, prepare_forward
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, balanced_order,
-                     finish_softmax, hopper_rejects, load_ids, thread_barrier, tile_token)
+                     finish_softmax, fresh, fresh_zero, hopper_rejects, load_ids, thread_barrier,
+                     tile_token)
 
 BLOCK_H = 64
 BLOCK_K = 64  # slots of a block
@@ -232,8 +233,8 @@ def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, DEAD: gl.c
     # z is 0 (grid z = 1) but unknown to the compiler: the shared-memory descriptors
     # are formed in the loop instead of hoisted out of it and spilled.
     z = i * gl.program_id(2)
-    mine = kv_smem.index(2 * WG + z)
-    mine_hi = kv_smem.index(2 * WG + 1 + z)
+    mine = kv_smem.index(2 * WG + fresh(z))
+    mine_hi = kv_smem.index(2 * WG + 1 + fresh(z))
     if ROPE > 0:
         # My block's ids (the softmax's mask), loaded now rather than a pair ahead: the
         # wait for the block and its S hide the load, and the 16 registers a thread of a
@@ -244,10 +245,10 @@ def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, DEAD: gl.c
     # (the first D half's product starts while the second half is still landing)
     mbarrier.wait(bars.index(_KV_READY + 2 * WG), ph)
     fence_async_shared()
-    s = warpgroup_mma(q_smem.index(z), mine.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_smem.index(fresh(z)), mine.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     mbarrier.wait(bars.index(_KV_READY + 2 * WG + 1), ph)
     fence_async_shared()
-    s = warpgroup_mma(q_smem.index(z + 1), mine_hi.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(q_smem.index(fresh(z) + 1), mine_hi.permute((1, 0)), s, is_async=True)
     if ROPE > 0:
         # The score-only columns: q's from registers (the wgmma's A operand), the block's
         # from shared memory; gathered with D half 1, whose barrier was waited just above.
@@ -266,7 +267,8 @@ def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, DEAD: gl.c
         mbarrier.wait(bars.index(_P_READY + 0), ph)
         m_cur, l_i, acc = _take_max(m_smem, 0, m_cur, l_i, acc)
         mbarrier.wait(bars.index(_KV_READY + 1), ph)
-        acc = warpgroup_mma(p_smem.index(0), kv_smem.index(1), acc, is_async=True)
+        acc = warpgroup_mma(p_smem.index(fresh_zero(z)), kv_smem.index(1 + fresh_zero(z)), acc,
+                            is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
     else:
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
@@ -288,7 +290,8 @@ def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, DEAD: gl.c
         mbarrier.arrive(bars.index(_P_FREE + 0))
     acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
     m_cur = m_new
-    acc = warpgroup_mma(p_smem.index(WG), kv_smem.index(2 * WG + WG), acc, is_async=True)
+    acc = warpgroup_mma(p_smem.index(WG + fresh_zero(z)), kv_smem.index(2 * WG + WG + fresh_zero(z)), acc,
+                        is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     if WG == 0:
         mbarrier.arrive(bars.index(_KV_FREE + 0))  # buffer 0, D half 0
@@ -297,7 +300,8 @@ def _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG: gl.constexpr, DEAD: gl.c
         m_cur, l_i, acc = _take_max(m_smem, 1, m_cur, l_i, acc)
         mbarrier.wait(bars.index(_KV_READY + 2), ph)
         if (not DEAD) or (2 * i + 1) * BK < K:  # (an odd block past the slots: skipped, P = 0)
-            acc = warpgroup_mma(p_smem.index(1), kv_smem.index(2), acc, is_async=True)
+            acc = warpgroup_mma(p_smem.index(1 + fresh_zero(z)), kv_smem.index(2 + fresh_zero(z)), acc,
+                                is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(bars.index(_KV_FREE + 2))  # buffer 1, D half 0
         mbarrier.arrive(bars.index(_P_FREE + 1))

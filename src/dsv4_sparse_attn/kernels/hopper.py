@@ -151,6 +151,30 @@ if gl is not None:
     tma_store_wait = _tma.store_wait
     # barrier of the threads of a partition (3.7+: gl.barrier)
     thread_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    # Triton 3.9's LLVM hoists every wgmma descriptor's arithmetic ahead of the chain of
+    # wgmmas; with that many live, ptxas keeps them in vector registers and moves each into
+    # a uniform one (R2UR) before its HGMMA. ``fresh`` at a call site keeps the index's
+    # arithmetic there (docs/performance/backward.md#triton-39s-descriptors-kept-uniform-static).
+    # Up to 3.8 the descriptors stay uniform and the extra moves would cost instructions.
+    FRESH_INDEX = gl.constexpr(TRITON_VERSION >= (3, 9))
+
+    @gluon.jit
+    def fresh(i):
+        """``i`` (an int32 scalar) through a side-effecting move under Triton 3.9+, which no
+        pass may hoist or merge with another call's: a buffer index formed where it is used."""
+        if FRESH_INDEX:
+            i = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [i], dtype=gl.int32, is_pure=False,
+                                          pack=1)
+        return i
+
+    @gluon.jit
+    def fresh_zero(z):
+        """Under Triton 3.9+, ``fresh(z)`` of a zero the compiler cannot see (a buffer index's
+        constant part is then added to it); else the constant 0, as if not there."""
+        if FRESH_INDEX:
+            return fresh(z)
+        else:
+            return 0
 
     @gluon.jit
     def finish_softmax(m, l_sum, sink2, HAS_SINK: gl.constexpr):
