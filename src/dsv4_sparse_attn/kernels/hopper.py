@@ -1,6 +1,7 @@
 """What the Gluon kernels for Hopper (sm_90) share: Gluon names that moved between Triton
 releases, the id loader, the 16-byte dKV reductions, the register split of the
-warp-specialised kernels, and the question "can this machine run them at all".
+warp-specialised kernels, the wgmma buffer indices kept at their call sites under Triton 3.9
+(``fresh``), and the question "can this machine run them at all".
 
 Triton 3.6 to 3.9 are supported (docs/design.md#toolchain-notes): 3.7 renamed
 ``gl.thread_barrier`` to ``gl.barrier``; 3.8 renamed cp.async's
@@ -155,7 +156,8 @@ if gl is not None:
     # wgmmas; with that many live, ptxas keeps them in vector registers and moves each into
     # a uniform one (R2UR) before its HGMMA. ``fresh`` at a call site keeps the index's
     # arithmetic there (docs/performance/backward.md#triton-39s-descriptors-kept-uniform-static).
-    # Up to 3.8 the descriptors stay uniform and the extra moves would cost instructions.
+    # Up to 3.8 the descriptors stay uniform without it, and the moves would cost
+    # instructions (3.6: the forward's block loops 38-43 longer).
     FRESH_INDEX = gl.constexpr(TRITON_VERSION >= (3, 9))
 
     @gluon.jit
