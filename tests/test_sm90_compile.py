@@ -229,7 +229,7 @@ def test_gluon_backward_d512_compiles_for_sm90(red, has_len):
     # once the P/dS descriptors stopped spilling;
     # docs/performance/backward.md#spill-reloads-behind-the-dkv-stores).
     assert len(r["mma_loops"]) == 2, r["mma_loops"]  # one block loop per consumer
-    assert all(lp["LDL"] <= _reload_allowance(red, has_len, not red) for lp in r["mma_loops"]), r["mma_loops"]
+    assert all(lp["LDL"] == 0 for lp in r["mma_loops"]), r["mma_loops"]
     assert all(lp["R2UR"] <= _r2ur_allowance("backward") for lp in r["mma_loops"]), r["mma_loops"]
     # Each consumer's half of a block's dKV rows (64 slots x 256 columns, 128 threads) goes
     # out 16 bytes at a time, in fake column order: 32 reductions a thread in the fast mode;
@@ -246,7 +246,7 @@ def test_gluon_backward_evict_last_option_compiles_for_sm90():
     r = compile_backward_gluon(red=True, evict_last=True)
     assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
     assert len(r["mma_loops"]) == 2, r["mma_loops"]
-    assert all(lp["LDL"] <= _reload_allowance(True) for lp in r["mma_loops"]), r["mma_loops"]
+    assert all(lp["LDL"] == 0 for lp in r["mma_loops"]), r["mma_loops"]
     assert all(lp["REDG4"] == 32 for lp in r["mma_loops"]), r["mma_loops"]
     assert r["evict_last_reductions"] > 0, r
 
@@ -259,18 +259,17 @@ def test_gluon_backward_split_roles_compiles_for_sm90(red, has_len, split):
     serialisation and no reload in the block loops up to Triton 3.8, and a block's owner
     sends all its dKV rows (64 slots x 512 columns: 64 16-byte reductions a thread in its
     loop; in the deterministic mode also 128 stores, plain and streaming), with P and dS
-    single- or double-buffered (``split`` 1 or 2). Under 3.9 both reload as the unsplit
-    schedule does (fast 4-6 a loop; deterministic 3-4 at one head block, the pairs' code
-    compiled out); two buffers reloaded 17-20 / 25-28 while their indices were computed at
-    run time (before 2a5ccf7: ``_pds_slot``'s ``OWNER``). (Under 3.7 the fast mode with two
+    single- or double-buffered (``split`` 1 or 2). Under 3.9 none either since
+    ``hopper.fresh`` (fast 4-6 a loop and deterministic 3-4 before it; two buffers 17-20 /
+    25-28 while their indices were computed at run time, before 2a5ccf7: ``_pds_slot``'s
+    ``OWNER``). (Under 3.7 the fast mode with two
     buffers and no lengths reloaded 38 values in one consumer's loop when the split roles
     were measured, so 3.7 kept the unsplit schedule; none at 084f569.)"""
     r = compile_backward_gluon(red=red, has_len=has_len, split=split)
     assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
     assert r["spill_bytes"] <= 1024, r
     assert len(r["mma_loops"]) == 2, r["mma_loops"]
-    allowance = _reload_allowance(red, has_len)
-    assert all(lp["LDL"] <= allowance for lp in r["mma_loops"]), r["mma_loops"]
+    assert all(lp["LDL"] == 0 for lp in r["mma_loops"]), r["mma_loops"]
     # (the deterministic mode's reductions: a head-block pair's follower's, whose code a
     # build for one head block leaves out under 3.9: backward_gluon._pairs_code)
     from dsv4_sparse_attn.kernels import backward_gluon
@@ -285,7 +284,7 @@ def test_gluon_backward_deterministic_pairs_code_only_where_pairs_run(has_len):
     """The deterministic build of a launch with head-block pairs (H = 128) holds their code
     (a follower adds its rows to the leader's with 16-byte reductions: 32 a block loop);
     without pairs (one head block) Triton 3.9's build leaves it out (no reduction in its
-    loops, 3 reloads a loop against 9; ``backward_gluon._pairs_code``), and 3.6-3.8 build
+    loops; ``backward_gluon._pairs_code``); no reload in either, and 3.6-3.8 build
     the same kernel for both (their measured builds: the same PTX)."""
     from dsv4_sparse_attn.kernels import backward_gluon
 
@@ -295,13 +294,12 @@ def test_gluon_backward_deterministic_pairs_code_only_where_pairs_run(has_len):
     for r in (paired, single):
         assert r["wgmma_serialized"] is False and len(r["mma_loops"]) == 2, r
     assert all(lp["REDG4"] > 0 for lp in paired["mma_loops"]), paired["mma_loops"]
-    assert all(lp["LDL"] <= _reload_allowance(False, has_len, paired=True) for lp in paired["mma_loops"])
+    assert all(lp["LDL"] == 0 for lp in paired["mma_loops"]), paired["mma_loops"]
     if TRITON_VERSION < (3, 9):
         assert single["ptx_sha"] == paired["ptx_sha"]
         return
     assert all(lp["REDG4"] == 0 for lp in single["mma_loops"]), single["mma_loops"]
-    allowance = _reload_allowance(False, has_len)
-    assert all(lp["LDL"] <= allowance for lp in single["mma_loops"]), single["mma_loops"]
+    assert all(lp["LDL"] == 0 for lp in single["mma_loops"]), single["mma_loops"]
 
 
 @pytest.mark.parametrize("split", [0, 2], ids=["unsplit", "double"])
@@ -367,8 +365,8 @@ def test_gluon_backward_dq_tma_compiles_for_sm90(red, split, has_len):
 @pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])
 def test_gluon_backward_default_schedule_reloads_nothing(has_len, evict_last):
     """The fast mode's default schedule on this Triton (``backward_gluon.SPLIT_ROLES``: split
-    roles where their loops are clean, Triton 3.6 and 3.8) has no spill reload in its block
-    loops up to 3.8, and no more than the unsplit schedule's under 3.9; with the L2
+    roles where their loops are clean, Triton 3.6, 3.8 and 3.9) has no spill reload in its
+    block loops; with the L2
     evict-last policy on its reductions too (the default at long contexts,
     ``backward_gluon.EVICT_LAST_MIN_L2``), with the policy in the PTX."""
     from dsv4_sparse_attn.kernels import backward_gluon
@@ -376,7 +374,7 @@ def test_gluon_backward_default_schedule_reloads_nothing(has_len, evict_last):
     r = compile_backward_gluon(red=True, has_len=has_len, split=backward_gluon._split(False, None),
                                dq_tma=backward_gluon.DQ_TMA, evict_last=evict_last)
     assert r["wgmma_serialized"] is False and len(r["mma_loops"]) == 2, r
-    assert all(lp["LDL"] <= _reload_allowance(True, has_len) for lp in r["mma_loops"]), r["mma_loops"]
+    assert all(lp["LDL"] == 0 for lp in r["mma_loops"]), r["mma_loops"]
     assert all(lp["R2UR"] <= _r2ur_allowance("backward") for lp in r["mma_loops"]), r["mma_loops"]
     assert (r["evict_last_reductions"] > 0) == evict_last, r
 
@@ -395,7 +393,7 @@ def test_gluon_backward_small_head_tiles_compile_for_sm90(red, hp):
     r = compile_backward_gluon(red=red, split=split, hp=hp)
     assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
     assert len(r["mma_loops"]) == 2, r["mma_loops"]
-    assert all(lp["LDL"] <= _reload_allowance(red) for lp in r["mma_loops"]), r["mma_loops"]
+    assert all(lp["LDL"] == 0 for lp in r["mma_loops"]), r["mma_loops"]
     for lp, lb in zip(r["mma_loops"], base["mma_loops"]):
         assert lp["HGMMA"] < lb["HGMMA"] and lp["REDG4"] == lb["REDG4"], (lp, lb)
 
@@ -431,14 +429,6 @@ def _r2ur_allowance(kernel: str) -> int:
     (docs/performance/backward.md#triton-39s-descriptors-kept-uniform-static),
     but for one move left in a forward loop of some builds (no sink; lengths)."""
     return 1 if kernel == "forward" and TRITON_VERSION >= (3, 9) else 0
-
-
-def _reload_allowance(red: bool, has_len: bool = False, paired: bool = False) -> int:
-    """Spill reloads allowed in a block loop: none. (Triton 3.9's register allocation once
-    kept more 64-bit address values alive across the loop, 30 / 46 reloads a deterministic /
-    fast loop at first, 3 / 5-6 after a series of changes, docs/performance/backward.md#triton-39;
-    its wgmma descriptors kept uniform, ``hopper.fresh``, none.)"""
-    return 0
 
 
 def test_wgmma_accumulator_layout_is_what_the_reductions_assume():
