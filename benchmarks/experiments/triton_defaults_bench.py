@@ -19,6 +19,9 @@ Arms (``backward_gluon.launch`` overrides; "fast" and "det" are whatever this Tr
   det_split1   deterministic, one head block, K >= 512, split 1 (3.6 / 3.8 default)
   det_pairs    deterministic, one head block, its build with the head-block pairs' code
                (``pairs_code=True``: 3.9's build before 2026-12-05; the same build elsewhere)
+  det_nopairs  the same without that code (``pairs_code=False``: 3.9's build; under 3.6,
+               split 1 with dQ by TMA, a block loop of 1514 instructions instead of 2081,
+               no reload either way: predicted faster where the loop's issue bounds it)
 Checks first: every deterministic arm bitwise equal to this Triton's deterministic default,
 every fast arm's grad_q and grad_kv against it (relative error, printed).
 
@@ -80,6 +83,7 @@ for T, H, K in shapes:
         det["det_split1"] = dict(split=1)
     if H <= 64:  # the head-block pairs' code kept (the build before it was left out under 3.9)
         det["det_pairs"] = dict(pairs_code=True)
+        det["det_nopairs"] = dict(pairs_code=False)
     ref = run(True)
     for name, kw in det.items():
         if kw:
