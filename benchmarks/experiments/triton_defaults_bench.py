@@ -52,7 +52,7 @@ from side_by_side import cudnn_peer as load_peer
 
 D = 512
 cudnn_peer = load_peer()
-# SHAPES="T,H,K;..." to run fewer (a call has about 5 minutes for the script)
+# SHAPES="T,H,K;..." (and ARMS, below) to run fewer (a call has about 5 minutes for the script)
 shapes = [tuple(int(v) for v in s.split(",")) for s in os.environ.get("SHAPES", "").split(";") if s] or [
     (4096, 64, 640), (4096, 128, 1152), (4096, 128, 512), (4096, 64, 160), (4096, 16, 1152), (4096, 32, 1152)]
 print(json.dumps(dict(triton=triton.__version__, split_roles=backward_gluon.SPLIT_ROLES,
@@ -84,6 +84,10 @@ for T, H, K in shapes:
     if H <= 64:  # the head-block pairs' code kept (the build before it was left out under 3.9)
         det["det_pairs"] = dict(pairs_code=True)
         det["det_nopairs"] = dict(pairs_code=False)
+    if os.environ.get("ARMS"):  # ARMS="fast,det,det_nopairs": only these arms
+        keep = set(os.environ["ARMS"].split(","))
+        fast = {k: v for k, v in fast.items() if k in keep | {"fast"}}
+        det = {k: v for k, v in det.items() if k in keep | {"det"}}
     ref = run(True)
     for name, kw in det.items():
         if kw:
