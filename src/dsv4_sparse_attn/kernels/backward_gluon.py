@@ -1562,12 +1562,14 @@ def _split(deterministic: bool, split, n_hb: int = 1, K: int = 0) -> int:
 def _pairs_code(paired: bool, deterministic: bool, rope: int = 0, pairs_code=None) -> bool:
     """The kernel's ``PAIRS``: whether its build holds the head-block pairs' code. A paired
     launch needs it (the deterministic mode at two head blocks); under Triton 3.9 every
-    other build leaves it out: the fast mode's block loops then reload 5-6 values instead of
-    50-51, the deterministic mode's at one head block 3 instead of 9 (4 with lengths; split
-    1: 3 instead of 15-16; the latter timed: docs/performance/backward.md#defaults-by-triton-version-static).
+    other build leaves it out (before ``hopper.fresh`` that took the fast mode's block-loop
+    reloads from 50-51 to 5-6 and the deterministic mode's at one head block from 9-16 to
+    3, and the latter 5.3% of its time at H64 K640:
+    docs/performance/backward.md#defaults-by-triton-version-static).
     Not the deterministic 576/512 build, which without it serialises its wgmmas under 3.9,
     nor under 3.6-3.8, whose builds stay as measured (with the pairs' flags runtime zeros;
-    one more reload a loop under 3.6-3.7 without them). ``pairs_code`` (default
+    under 3.6 leaving them out shortens the loops, 2081 -> 1514 instructions in the
+    deterministic split 1, with no reload: untimed, a candidate). ``pairs_code`` (default
     ``PAIRS_CODE``) overrides it where the launch has no pairs."""
     if paired:
         return True
