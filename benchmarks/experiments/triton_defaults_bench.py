@@ -22,6 +22,9 @@ Arms (``backward_gluon.launch`` overrides; "fast" and "det" are whatever this Tr
   det_nopairs  the same without that code (``pairs_code=False``: 3.9's build; under 3.6,
                split 1 with dQ by TMA, a block loop of 1514 instructions instead of 2081,
                no reload either way: predicted faster where the loop's issue bounds it)
+  fast_nopairs the fast default without the pairs' code (``pairs_code=False``:
+               3.9's fast build; under 3.6, split 2 with dQ by TMA, 2379 instructions a
+               block loop instead of 2483, no reload either way: predicted level, L2-bound)
 Checks first: every deterministic arm bitwise equal to this Triton's deterministic default,
 every fast arm's grad_q and grad_kv against it (relative error, printed).
 
@@ -69,6 +72,7 @@ for T, H, K in shapes:
 
     fast = {"fast": {}, "dqtma": dict(dq_tma=1), "split1": dict(split=1),
             "split1_dq": dict(split=1, dq_tma=1)}
+    fast["fast_nopairs"] = dict(pairs_code=False)  # (3.9's fast build; under 3.6 4% fewer instructions)
     if H > 32:
         fast["split2_dq"] = dict(split=2, dq_tma=1)
     else:
