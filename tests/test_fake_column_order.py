@@ -56,13 +56,13 @@ def test_fake_col_is_a_permutation_within_16_column_groups():
     assert torch.equal(f // 16, c // 16)
 
 
-def _lines_asm() -> list[str]:
-    """The PTX statements of ``hopper.red_f32x4_lines`` (``hopper._LINES_PTX_SRC``)."""
+def _lines_asm(src: str | None = None) -> list[str]:
+    """The PTX statements of ``hopper.red_f32x4_lines`` (``hopper._LINES_PTX_SRC``, or ``src``)."""
     import re
 
     from dsv4_sparse_attn.kernels import hopper
 
-    asm = hopper._LINES_PTX_SRC.strip()[1:-1]  # (the braces of the asm block)
+    asm = (src or hopper._LINES_PTX_SRC).strip()[1:-1]  # (the braces of the asm block)
     stmts = [s.strip() for line in asm.splitlines() for s in line.split(";")]
     return [s for s in stmts if s and not s.startswith(".reg") and not re.match(r"mov\.b32 \$\d+, 0", s)]
 
@@ -72,11 +72,20 @@ def _run_ptx(stmts, regs):
     %laneid filled in). Returns the reductions: [(lane, byte address, values)] per instruction."""
     import re
 
+    import struct
+
     reds = []
 
     def val(lane, x):
         x = x.strip()
-        return regs[lane][x] if x in regs[lane] else int(x, 0)
+        if x in regs[lane]:
+            return regs[lane][x]
+        if x.startswith("0f"):  # an f32 immediate
+            return struct.unpack(">f", bytes.fromhex(x[2:]))[0]
+        return int(x, 0)
+
+    def s32(v):  # a 32-bit word (held as 0 .. 2^32 - 1) as a signed integer
+        return v - (1 << 32) if v >= 1 << 31 else v
 
     for st in stmts:
         pred, op, args = re.match(r"(@!?\w+\s+)?([\w.]+)\s+(.*)", st).groups()
@@ -88,7 +97,8 @@ def _run_ptx(stmts, regs):
             continue
         if op.startswith("red."):
             addr = re.search(r"\[(\w+)\]", args).group(1)
-            names = re.search(r"\{(.*)\}", args).group(1).split(",")
+            vec = re.search(r"\{(.*)\}", args)
+            names = vec.group(1).split(",") if vec else [args.split(",")[1]]
             p = pred.strip()[1:]
             reds.append([(lane, regs[lane][addr], [regs[lane][n.strip()] for n in names])
                          for lane in range(32) if regs[lane][p]])
@@ -122,6 +132,14 @@ def _run_ptx(stmts, regs):
                 r[a[0]] = val(lane, a[1]) if r[a[3]] else val(lane, a[2])
             elif op == "add.s64":
                 r[a[0]] = val(lane, a[1]) + val(lane, a[2])
+            elif op == "mul.rn.f32":  # (the values are Python floats here: exact in the test)
+                r[a[0]] = val(lane, a[1]) * val(lane, a[2])
+            elif op == "cvt.rni.s32.f32":
+                r[a[0]] = round(val(lane, a[1])) & 0xFFFFFFFF
+            elif op == "shr.s32":
+                r[a[0]] = (s32(val(lane, a[1])) >> val(lane, a[2])) & 0xFFFFFFFF
+            elif op == "add.s32":
+                r[a[0]] = (val(lane, a[1]) + val(lane, a[2])) & 0xFFFFFFFF
             else:
                 raise AssertionError(f"the replay does not know {op!r}: extend it with the asm")
     return reds
@@ -175,6 +193,69 @@ def test_whole_line_reductions_put_every_value_at_its_fake_column():
     want = fake_col(torch.arange(64)).tolist()
     assert len(got) == 64 * (64 - len(masked))
     assert all(got[(r, c)] == want[c] and r not in masked for (r, c) in got)
+
+
+def test_packed_word_reductions_put_every_value_at_its_fake_column():
+    """``hopper.red_s32x2_lines`` (two s32 words a ``red.add.u64``), replayed from its PTX
+    for every warp, lane and register: each value, scaled and rounded, lands once at
+    fake_col of its column in its own row as the s32 word that the 64-bit sums give back
+    (the low word sign-extended, the high one after it), negative values included; masked
+    rows get nothing, and every reduction instruction of a warp covers whole 64-byte halves
+    of 4 rows' lines (8 lanes, 8 contiguous bytes each)."""
+    import pytest
+
+    from dsv4_sparse_attn.kernels import hopper
+
+    if hopper.gluon_unavailable():
+        pytest.skip(f"no Gluon in this Triton: {hopper.gluon_unavailable()}")
+    stmts = _lines_asm(hopper._LINES_PACKED_PTX_SRC)
+    reg_bases = wgmma_register_bases()
+    row_stride = 1 << 12
+    masked = {5, 17, 40}
+    value = {}  # (row, col) -> the integer the rounding must give
+    words = {}  # byte address -> 64-bit sum
+    for warp in range(4):
+        wr, wc = _coord(WARP_BASES, warp)
+        coords = []
+        for lane in range(32):
+            lr, lc = _coord(LANE_BASES, lane)
+            coords.append([(wr ^ lr ^ rr, wc ^ lc ^ rc)
+                           for rr, rc in (_coord(reg_bases, i) for i in range(32))])
+        for p0 in range(0, 32, 16):
+            regs = []
+            for lane in range(32):
+                e = coords[lane][p0:p0 + 16]
+                r = {"%laneid": lane}
+                for i, (row, col) in enumerate(e):
+                    v = (row * 64 + col + 1) * (-1 if (row + col) % 3 == 0 else 1)
+                    value[(row, col)] = v
+                    r[f"${16 + i}"] = row * row_stride + (col // 16) * 64
+                    r[f"${32 + i}"] = v / hopper.PACKED_SCALE
+                    r[f"${48 + i}"] = int(row not in masked)
+                regs.append(r)
+            for instr in _run_ptx(stmts, regs):
+                halves = {}
+                for lane, addr, (w,) in instr:
+                    assert addr % 8 == 0 and addr not in words, (lane, addr)
+                    words[addr] = w
+                    halves.setdefault(addr // 64, set()).add(addr % 64)
+                if len(instr) == 32:  # no masked row in this instruction
+                    assert len(halves) == 4 and all(h == set(range(0, 64, 8)) for h in halves.values()), halves
+    got = {}
+    for addr, w in words.items():
+        lo = w & 0xFFFFFFFF
+        lo = lo - (1 << 32) if lo >= 1 << 31 else lo
+        hi = (w - lo) >> 32
+        hi = hi - (1 << 32) if hi >= 1 << 31 else hi
+        got[addr // 4], got[addr // 4 + 1] = lo, hi
+    want = fake_col(torch.arange(64)).tolist()
+    assert len(got) == 64 * (64 - len(masked))
+    for (row, col), v in value.items():
+        word = row * row_stride // 4 + want[col]
+        if row in masked:
+            assert word not in got
+        else:
+            assert got[word] == v, (row, col, got.get(word), v)
 
 
 def _statements(ptx: str) -> list[str]:

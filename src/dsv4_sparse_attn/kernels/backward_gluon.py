@@ -50,8 +50,8 @@ from .backward import DqParts, sum_dq_parts
 from .common import cuda_properties
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON_VERSION, TensorDescriptor,
                      async_load, balanced_order, fake_group_base, hopper_rejects, load_ids, red_f32x4_fake,
-                     red_f32x4_lines, st_f32x4_fake, fresh, thread_barrier, tma_load, tma_store,
-                     tma_store_wait)
+                     red_f32x4_lines, red_s32x2_lines, st_f32x4_fake, fresh, thread_barrier, tma_load,
+                     tma_store, tma_store_wait)
 
 NAME = "gluon_sm90"
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -992,7 +992,9 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
     (the follower of a head-block pair) added once to the leader's."""
     if RED:
         on_el = gl.full(acc.shape, 1, gl.int32, acc.type.layout) * on[:, None]
-        if RED >= 2:  # whole 128-byte lines per instruction
+        if RED == 4:  # (ablation 64, timing only: two s32 words a 64-bit add)
+            red_s32x2_lines(fake_group_base(row_ptr, offs_d), acc, on_el)
+        elif RED >= 2:  # whole 128-byte lines per instruction
             red_f32x4_lines(fake_group_base(row_ptr, offs_d), acc, on_el, EVICT_LAST)
         else:
             red_f32x4_fake(fake_group_base(row_ptr, offs_d), acc, on_el)
@@ -1396,7 +1398,9 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     computed here when None; it holds the tokens, so ``tokens`` is then not read).
     ``ablate`` (measurement only; the gradients are then wrong): parts of a tile's work taken out,
     a sum of 1 (dQ stores), 2 (q/dO loads after a program's first tile, cp.async path),
-    4 (lse/Delta loads: 0) and 8 (dKV reductions predicated off)
+    4 (lse/Delta loads: 0) and 8 (dKV reductions predicated off); 64, the fast mode's
+    reductions as two s32 words a 64-bit add (``hopper.red_s32x2_lines``: the cost of an
+    exact sum, docs/performance/backward.md#open-leads; grad_kv is then s32 words)
     (benchmarks/experiments/tile_ablation_bench.py). ``trace`` (measurement only): an int64
     tensor of ``trace_shape(n_tok, H, device, paired)`` that takes each tile's timeline, the
     SM's cycle counter at the events of ``TRACE_EVENTS`` (benchmarks/experiments/tile_timeline.py;
@@ -1465,7 +1469,8 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
-        D=grad_out.shape[-1], RED=red_mode(partial is not None, lines), HAS_LEN=topk_length is not None,
+        D=grad_out.shape[-1], HAS_LEN=topk_length is not None,
+        RED=4 if ablate & 64 and partial is None else red_mode(partial is not None, lines),
         EVICT_LAST=_evict_last(N, D, q.device, evict_last) and partial is None,
         ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma, ABL=int(ablate),
         HP=hp, TRANS=trans, PARTS=n_units > n_full,

@@ -68,15 +68,58 @@ _FAKE_CONSTRAINTS_SRC = "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r
 # values $32.. and $34.. (pairs of a thread's two rows, r and r + 8).
 
 
-def _lines_half_decls(h: str) -> str:
+def _lines_half_decls(h: str, packed: bool = False) -> str:
+    extra = (f"    .reg .b32 i{h}0, i{h}1, i{h}2, i{h}3, s{h}, xl{h}, xh{h};\n"
+             f"    .reg .b64 d{h}0, d{h}1, x{h}, a{h};\n") if packed else ""
     return (f"    .reg .pred p{h};\n"
             f"    .reg .b32 lo{h}, hi{h}, on{h}, f{h};\n"
             f"    .reg .b32 v{h}0, v{h}1, v{h}2, v{h}3;\n"
             f"    .reg .b32 w{h}0, w{h}1, w{h}2, w{h}3;\n"
-            f"    .reg .b64 bs{h}, br{h}, ba{h};\n")
+            f"    .reg .b64 bs{h}, br{h}, ba{h};\n" + extra)
 
 
-def _lines_half(h: str, k: int, red: str) -> str:
+# Two s32 words a 64-bit add (a timing prototype of an exact, order-independent dKV sum:
+# docs/performance/backward.md#open-leads). ``b * 2^32 + a`` with a sign-extended sums
+# both words exactly (the carries out of the low word are exact too), so each word's final
+# sum is recovered if it fits in 32 bits. The values are scaled by PACKED_SCALE and rounded
+# (a per-row grid in a real design). A lane's 16 bytes of a line are two such words; lanes
+# l and l ^ 4 (the line's two 64-byte halves) swap one of them so that each of the two
+# reductions of a row covers one whole 64-byte half: the even lane adds its own first word
+# and then the odd lane's first, the odd lane the even lane's second and then its own.
+PACKED_SCALE = 2.0 ** 20
+
+
+def _packed_reds(h: str, p: str, ba: str, w: list) -> list:
+    """The reductions of one row's line as two s32 words a ``red.add.u64`` (see above)."""
+    scale = f"0f{int.from_bytes(__import__('struct').pack('>f', PACKED_SCALE), 'big'):08X}"
+    out = [f"    mul.rn.f32 i{h}{i}, {w[i]}, {scale};" for i in range(4)]
+    out += [f"    cvt.rni.s32.f32 i{h}{i}, i{h}{i};" for i in range(4)]
+    for d, (a, b) in enumerate(((0, 1), (2, 3))):  # hi word less one where the low one is negative
+        out += [f"    shr.s32 s{h}, i{h}{a}, 31;",
+                f"    add.s32 s{h}, i{h}{b}, s{h};",
+                f"    mov.b64 d{h}{d}, {{i{h}{a}, s{h}}};"]
+    out += [f"    selp.b64 x{h}, d{h}0, d{h}1, odd;",  # the odd lane sends its first word
+            f"    mov.b64 {{xl{h}, xh{h}}}, x{h};",
+            f"    shfl.sync.bfly.b32 xl{h}, xl{h}, 4, 0x1f, 0xffffffff;",
+            f"    shfl.sync.bfly.b32 xh{h}, xh{h}, 4, 0x1f, 0xffffffff;",
+            f"    mov.b64 x{h}, {{xl{h}, xh{h}}};",
+            # first half: even lane its own first word at its address, odd lane the even
+            # lane's second word 64 - 8 bytes before its own address
+            f"    add.s64 a{h}, {ba}, -56;",
+            f"    selp.b64 a{h}, a{h}, {ba}, odd;",
+            f"    selp.b64 d{h}0, x{h}, d{h}0, odd;",
+            f"    @{p} red.relaxed.gpu.global.add.u64 [a{h}], d{h}0;",
+            # second half: even lane the odd lane's first word 64 bytes on, odd lane its own
+            # second word 8 bytes on
+            f"    add.s64 a{h}, {ba}, 64;",
+            f"    add.s64 ba{h}, {ba}, 8;",
+            f"    selp.b64 a{h}, ba{h}, a{h}, odd;",
+            f"    selp.b64 d{h}1, d{h}1, x{h}, odd;",
+            f"    @{p} red.relaxed.gpu.global.add.u64 [a{h}], d{h}1;"]
+    return out
+
+
+def _lines_half(h: str, k: int, red: str, packed: bool = False) -> str:
     """One half: lanes l and l ^ 4 swap the base and the values of the row the other one
     adds, so each 16-byte reduction of the warp covers whole 128-byte lines. ``red``: the
     reduction, "{addr}, {vals}" filled in."""
@@ -100,25 +143,28 @@ def _lines_half(h: str, k: int, red: str) -> str:
                   f"    setp.ne.b32 p{h}, f{h}, 0;"]
         lines += [f"    selp.b32 w{h}{i}, v{h}{i}, ${v[i]}, odd;" if first else
                   f"    selp.b32 w{h}{i}, ${w[i]}, v{h}{i}, odd;" for i in range(4)]
-        lines += [f"    @p{h} " + red.format(addr=f"[ba{h}]", vals=f"{{w{h}0, w{h}1, w{h}2, w{h}3}}")]
+        if packed:
+            lines += _packed_reds(h, f"p{h}", f"ba{h}", [f"w{h}{i}" for i in range(4)])
+        else:
+            lines += [f"    @p{h} " + red.format(addr=f"[ba{h}]", vals=f"{{w{h}0, w{h}1, w{h}2, w{h}3}}")]
     return "\n".join(lines) + "\n"
 
 
-def _lines_ptx(evict_last: bool = False) -> str:
+def _lines_ptx(evict_last: bool = False, packed: bool = False) -> str:
     """``evict_last``: each reduction carries an L2 evict-last cache policy (``createpolicy``
     once, then ``red...add.L2::cache_hint``, PTX 7.4+ / sm_80+): the accumulator's lines are
     the last the L2 evicts, which matters once the fp32 [N, D] rows outgrow it (T = 32768:
-    84 MB)."""
+    84 MB). ``packed``: two s32 words a ``red.add.u64`` instead (``_packed_reds``)."""
     if evict_last:
         policy = "    .reg .b64 pol;\n    createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
         red = "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32 {addr}, {vals}, pol;"
     else:
         policy, red = "", "red.relaxed.gpu.global.add.v4.f32 {addr}, {vals};"
     return ("{\n" + policy + "    .reg .pred odd;\n    .reg .b32 l, t;\n    .reg .b64 o;\n"
-            + _lines_half_decls("x") + _lines_half_decls("y")
+            + _lines_half_decls("x", packed) + _lines_half_decls("y", packed)
             + "    mov.u32 l, %laneid;\n    and.b32 t, l, 4;\n    setp.ne.b32 odd, t, 0;\n"
             + "    and.b32 l, l, 3;\n    mul.wide.u32 o, l, 16;\n"
-            + _lines_half("x", 0, red) + _lines_half("y", 2, red)
+            + _lines_half("x", 0, red, packed) + _lines_half("y", 2, red, packed)
             + "".join(f"    mov.b32 ${4 * i}, 0; mov.b32 ${4 * i + 1}, 0; mov.b32 ${4 * i + 2}, 0; "
                       f"mov.b32 ${4 * i + 3}, 0;\n" for i in range(4))
             + "}")
@@ -126,6 +172,7 @@ def _lines_ptx(evict_last: bool = False) -> str:
 
 _LINES_PTX_SRC = _lines_ptx()
 _LINES_EVICT_LAST_PTX_SRC = _lines_ptx(evict_last=True)
+_LINES_PACKED_PTX_SRC = _lines_ptx(packed=True)
 _LINES_CONSTRAINTS_SRC = ("=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,"
                           "l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,"
                           "r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,"
@@ -142,6 +189,7 @@ if gl is not None:
     _FAKE_CONSTRAINTS = gl.constexpr(_FAKE_CONSTRAINTS_SRC)
     _LINES_PTX = gl.constexpr(_LINES_PTX_SRC)
     _LINES_PTX_EVICT_LAST = gl.constexpr(_LINES_EVICT_LAST_PTX_SRC)
+    _LINES_PTX_PACKED = gl.constexpr(_LINES_PACKED_PTX_SRC)
     _LINES_CONSTRAINTS = gl.constexpr(_LINES_CONSTRAINTS_SRC)
     # cp.async gather into shared memory (3.8+: async_load)
     async_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
@@ -275,6 +323,14 @@ if gl is not None:
             return gl.inline_asm_elementwise(_LINES_PTX_EVICT_LAST, _LINES_CONSTRAINTS, [group_base, acc, on],
                                              dtype=gl.int32, is_pure=False, pack=16)
         return gl.inline_asm_elementwise(_LINES_PTX, _LINES_CONSTRAINTS, [group_base, acc, on],
+                                         dtype=gl.int32, is_pure=False, pack=16)
+
+    @gluon.jit
+    def red_s32x2_lines(group_base, acc, on):
+        """``red_f32x4_lines``' rows and lines with each value scaled by ``PACKED_SCALE``,
+        rounded to s32, and two adjacent words added by one ``red.add.u64`` into an
+        accumulator of s32 words (``_packed_reds``): a timing prototype of exact sums."""
+        return gl.inline_asm_elementwise(_LINES_PTX_PACKED, _LINES_CONSTRAINTS, [group_base, acc, on],
                                          dtype=gl.int32, is_pure=False, pack=16)
 
 

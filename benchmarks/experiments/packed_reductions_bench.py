@@ -1,0 +1,53 @@
+"""What exact dKV sums would cost the fast backward: its reductions as two s32 words a
+``red.add.u64`` (``launch(ablate=64)``, ``hopper.red_s32x2_lines``: each value scaled and
+rounded, the words of a line's 64-byte half in one instruction), next to the kernel as
+shipped, with every reduction predicated off (``ablate=8``), the deterministic mode and
+cuDNN's backward, A, B, A, B in one process. Timing only: the packed arm's grad_kv is s32
+words read as fp32.
+
+    PYTHONPATH=src:/tmp/cudnn_site python benchmarks/experiments/packed_reductions_bench.py [PEER_DIR]
+
+Question (docs/performance/backward.md#open-leads, item 2): one s32 word a value on a
+per-row grid is exact in any order and precise enough with the mass bound; scalar
+``red.add.s32`` cost 1.4-1.5x the fast mode's time at best (3.3x its reductions' share).
+Two words a 64-bit add halve those instructions. Prediction from the L2 side (a fit of the
+reductions' share to instructions and row requests): share 0.84 ms at H64 K640 (fp32
+lines 0.42), the kernel about 1.2x the fast mode's. From the issue side (static, Triton
+3.6.0, split 2 with dQ by TMA): the block loops grow from 2483 to 4525 instructions (no
+reload; the rounding is a quarter-rate F2I a value), so the consumers may become issue-bound:
+1.2-1.6x.
+"""
+import json
+import os
+
+import torch
+
+import dsv4_sparse_attn  # noqa: F401
+import triton
+from dsv4_sparse_attn.kernels import backward as kbwd
+from dsv4_sparse_attn.kernels import backward_gluon
+from side_by_side import inputs, peer_bwd, time_arms  # (this directory)
+from side_by_side import cudnn_peer as load_peer
+
+D = 512
+cudnn_peer = load_peer()
+shapes = [tuple(int(v) for v in s.split(",")) for s in os.environ.get("SHAPES", "").split(";") if s] or [
+    (4096, 64, 640), (4096, 128, 1152), (4096, 128, 512)]
+for T, H, K in shapes:
+    q, kv, idx, sink, do, out, lse = inputs(T, H, K, D)
+    scale = D ** -0.5
+    r = dict(T=T, H=H, K=K, triton=triton.__version__)
+
+    def run(det, **kw):
+        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon,
+                                   deterministic=det, **kw)
+
+    fns = {"fast": lambda: run(False), "packed": lambda: run(False, ablate=64),
+           "no_reductions": lambda: run(False, ablate=8), "det": lambda: run(True)}
+    time_arms(r, fns, 10 * T * H * K * D, peer_bwd(cudnn_peer, r, q, kv, idx, sink, scale, out, lse, do))
+    r["packed_over_fast"] = round(r["packed_ms"] / r["fast_ms"], 3)
+    r["packed_share_over_fast_share"] = round((r["packed_ms"] - r["no_reductions_ms"])
+                                              / max(r["fast_ms"] - r["no_reductions_ms"], 1e-6), 2)
+    print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+    q = kv = idx = do = out = lse = fns = None
+    torch.cuda.empty_cache()
