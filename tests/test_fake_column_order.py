@@ -240,7 +240,8 @@ def test_packed_word_reductions_put_every_value_at_its_fake_column():
                     words[addr] = w
                     halves.setdefault(addr // 64, set()).add(addr % 64)
                 if len(instr) == 32:  # no masked row in this instruction
-                    assert len(halves) == 4 and all(h == set(range(0, 64, 8)) for h in halves.values()), halves
+                    whole = all(h == set(range(0, 64, 8)) for h in halves.values())
+                    assert len(halves) == 4 and whole, halves
     got = {}
     for addr, w in words.items():
         lo = w & 0xFFFFFFFF
