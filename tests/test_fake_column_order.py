@@ -7,6 +7,7 @@ the wgmma accumulator layout (as this Triton states it) and must put every value
 ``fake_col`` of its column, each 16-byte reduction on 16 contiguous, aligned bytes; the
 conversion kernel must undo exactly that permutation (interpreter test).
 """
+import pytest
 import torch
 
 from dsv4_sparse_attn.kernels.hopper import fake_col
@@ -195,20 +196,20 @@ def test_whole_line_reductions_put_every_value_at_its_fake_column():
     assert all(got[(r, c)] == want[c] and r not in masked for (r, c) in got)
 
 
-def test_packed_word_reductions_put_every_value_at_its_fake_column():
+@pytest.mark.parametrize("convert", [True, False])
+def test_packed_word_reductions_put_every_value_at_its_fake_column(convert):
     """``hopper.red_s32x2_lines`` (two s32 words a ``red.add.u64``), replayed from its PTX
     for every warp, lane and register: each value, scaled and rounded, lands once at
     fake_col of its column in its own row as the s32 word that the 64-bit sums give back
     (the low word sign-extended, the high one after it), negative values included; masked
     rows get nothing, and every reduction instruction of a warp covers whole 64-byte halves
-    of 4 rows' lines (8 lanes, 8 contiguous bytes each)."""
-    import pytest
-
+    of 4 rows' lines (8 lanes, 8 contiguous bytes each). Unconverted (``CONVERT=False``, a
+    timing arm): the registers' bits land at the same words."""
     from dsv4_sparse_attn.kernels import hopper
 
     if hopper.gluon_unavailable():
         pytest.skip(f"no Gluon in this Triton: {hopper.gluon_unavailable()}")
-    stmts = _lines_asm(hopper._LINES_PACKED_PTX_SRC)
+    stmts = _lines_asm(hopper._LINES_PACKED_PTX_SRC if convert else hopper._LINES_PACKED_RAW_PTX_SRC)
     reg_bases = wgmma_register_bases()
     row_stride = 1 << 12
     masked = {5, 17, 40}
@@ -230,7 +231,8 @@ def test_packed_word_reductions_put_every_value_at_its_fake_column():
                     v = (row * 64 + col + 1) * (-1 if (row + col) % 3 == 0 else 1)
                     value[(row, col)] = v
                     r[f"${16 + i}"] = row * row_stride + (col // 16) * 64
-                    r[f"${32 + i}"] = v / hopper.PACKED_SCALE
+                    # (unconverted: the register's bits are the word, here the s32 of v)
+                    r[f"${32 + i}"] = v / hopper.PACKED_SCALE if convert else v & 0xFFFFFFFF
                     r[f"${48 + i}"] = int(row not in masked)
                 regs.append(r)
             for instr in _run_ptx(stmts, regs):
@@ -246,7 +248,7 @@ def test_packed_word_reductions_put_every_value_at_its_fake_column():
     for addr, w in words.items():
         lo = w & 0xFFFFFFFF
         lo = lo - (1 << 32) if lo >= 1 << 31 else lo
-        hi = (w - lo) >> 32
+        hi = (w - lo) >> 32 if convert else w >> 32  # (unconverted: no sign fix-up to undo)
         hi = hi - (1 << 32) if hi >= 1 << 31 else hi
         got[addr // 4], got[addr // 4 + 1] = lo, hi
     want = fake_col(torch.arange(64)).tolist()

@@ -2,8 +2,10 @@
 ``red.add.u64`` (``launch(ablate=64)``, ``hopper.red_s32x2_lines``: each value scaled and
 rounded, the words of a line's 64-byte half in one instruction), next to the kernel as
 shipped, with every reduction predicated off (``ablate=8``), the deterministic mode and
-cuDNN's backward, A, B, A, B in one process. Timing only: the packed arm's grad_kv is s32
-words read as fp32.
+cuDNN's backward, A, B, A, B in one process; ``packed_raw`` (``ablate=64 | 128``) sends the
+same words unconverted (the fp32 bits), so packed - packed_raw is the conversion's cost and
+packed_raw - fast the 64-bit reductions' and their exchange's. Timing only: the packed
+arms' grad_kv is s32 words read as fp32.
 
     PYTHONPATH=src:/tmp/cudnn_site python benchmarks/experiments/packed_reductions_bench.py [PEER_DIR]
 
@@ -13,9 +15,9 @@ per-row grid is exact in any order and precise enough with the mass bound; scala
 Two words a 64-bit add halve those instructions. Prediction from the L2 side (a fit of the
 reductions' share to instructions and row requests): share 0.84 ms at H64 K640 (fp32
 lines 0.42), the kernel about 1.2x the fast mode's. From the issue side (static, Triton
-3.6.0, split 2 with dQ by TMA): the block loops grow from 2483 to 4525 instructions (no
-reload; the rounding is a quarter-rate F2I a value), so the consumers may become issue-bound:
-1.2-1.6x.
+3.6.0, split 2 with dQ by TMA): the block loops grow from 2483 to 4525 instructions (3887
+unconverted; no reload either; the rounding is a quarter-rate F2I a value), so the
+consumers may become issue-bound: 1.2-1.6x.
 """
 import json
 import os
@@ -43,6 +45,7 @@ for T, H, K in shapes:
                                    deterministic=det, **kw)
 
     fns = {"fast": lambda: run(False), "packed": lambda: run(False, ablate=64),
+           "packed_raw": lambda: run(False, ablate=64 | 128),
            "no_reductions": lambda: run(False, ablate=8), "det": lambda: run(True)}
     time_arms(r, fns, 10 * T * H * K * D, peer_bwd(cudnn_peer, r, q, kv, idx, sink, scale, out, lse, do))
     r["packed_over_fast"] = round(r["packed_ms"] / r["fast_ms"], 3)

@@ -992,8 +992,8 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
     (the follower of a head-block pair) added once to the leader's."""
     if RED:
         on_el = gl.full(acc.shape, 1, gl.int32, acc.type.layout) * on[:, None]
-        if RED == 4:  # (ablation 64, timing only: two s32 words a 64-bit add)
-            red_s32x2_lines(fake_group_base(row_ptr, offs_d), acc, on_el)
+        if RED >= 4:  # (ablation 64, timing only: two s32 words a 64-bit add; 5: unconverted)
+            red_s32x2_lines(fake_group_base(row_ptr, offs_d), acc, on_el, RED == 4)
         elif RED >= 2:  # whole 128-byte lines per instruction
             red_f32x4_lines(fake_group_base(row_ptr, offs_d), acc, on_el, EVICT_LAST)
         else:
@@ -1355,6 +1355,14 @@ def flags_per_chunk(n_tok: int, n_hb: int) -> int:
     return 1 + 2 * n_tok * n_hb
 
 
+def _red(partial_rows: bool, lines, ablate: int) -> int:
+    """``red_mode``, or in the fast mode with ``ablate`` 64 the packed-word prototype (4;
+    5 with 128: unconverted)."""
+    if ablate & 64 and not partial_rows:
+        return 5 if ablate & 128 else 4
+    return red_mode(partial_rows, lines)
+
+
 def red_mode(partial_rows: bool, lines: bool | None = None) -> int:
     """The kernel's RED constexpr: 0 partial rows (deterministic); fast mode: 1 half-line
     reductions, 2 whole lines."""
@@ -1400,7 +1408,8 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     a sum of 1 (dQ stores), 2 (q/dO loads after a program's first tile, cp.async path),
     4 (lse/Delta loads: 0) and 8 (dKV reductions predicated off); 64, the fast mode's
     reductions as two s32 words a 64-bit add (``hopper.red_s32x2_lines``: the cost of an
-    exact sum, docs/performance/backward.md#open-leads; grad_kv is then s32 words)
+    exact sum, docs/performance/backward.md#open-leads; grad_kv is then s32 words), with 128
+    the fp32 bits sent unconverted (the conversion's cost apart)
     (benchmarks/experiments/tile_ablation_bench.py). ``trace`` (measurement only): an int64
     tensor of ``trace_shape(n_tok, H, device, paired)`` that takes each tile's timeline, the
     SM's cycle counter at the events of ``TRACE_EVENTS`` (benchmarks/experiments/tile_timeline.py;
@@ -1470,7 +1479,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
         D=grad_out.shape[-1], HAS_LEN=topk_length is not None,
-        RED=4 if ablate & 64 and partial is None else red_mode(partial is not None, lines),
+        RED=_red(partial is not None, lines, ablate),
         EVICT_LAST=_evict_last(N, D, q.device, evict_last) and partial is None,
         ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma, ABL=int(ablate),
         HP=hp, TRANS=trans, PARTS=n_units > n_full,

@@ -89,15 +89,20 @@ def _lines_half_decls(h: str, packed: bool = False) -> str:
 PACKED_SCALE = 2.0 ** 20
 
 
-def _packed_reds(h: str, p: str, ba: str, w: list) -> list:
-    """The reductions of one row's line as two s32 words a ``red.add.u64`` (see above)."""
-    scale = f"0f{int.from_bytes(__import__('struct').pack('>f', PACKED_SCALE), 'big'):08X}"
-    out = [f"    mul.rn.f32 i{h}{i}, {w[i]}, {scale};" for i in range(4)]
-    out += [f"    cvt.rni.s32.f32 i{h}{i}, i{h}{i};" for i in range(4)]
-    for d, (a, b) in enumerate(((0, 1), (2, 3))):  # hi word less one where the low one is negative
-        out += [f"    shr.s32 s{h}, i{h}{a}, 31;",
-                f"    add.s32 s{h}, i{h}{b}, s{h};",
-                f"    mov.b64 d{h}{d}, {{i{h}{a}, s{h}}};"]
+def _packed_reds(h: str, p: str, ba: str, w: list, convert: bool = True) -> list:
+    """The reductions of one row's line as two s32 words a ``red.add.u64`` (see above).
+    ``convert`` False: the fp32 bits themselves as the words (no scaling, rounding or sign
+    fix-up; a timing arm that leaves the conversion's instructions out)."""
+    if not convert:
+        out = [f"    mov.b64 d{h}0, {{{w[0]}, {w[1]}}};", f"    mov.b64 d{h}1, {{{w[2]}, {w[3]}}};"]
+    else:
+        scale = f"0f{int.from_bytes(__import__('struct').pack('>f', PACKED_SCALE), 'big'):08X}"
+        out = [f"    mul.rn.f32 i{h}{i}, {w[i]}, {scale};" for i in range(4)]
+        out += [f"    cvt.rni.s32.f32 i{h}{i}, i{h}{i};" for i in range(4)]
+        for d, (a, b) in enumerate(((0, 1), (2, 3))):  # hi word less one where the low one is negative
+            out += [f"    shr.s32 s{h}, i{h}{a}, 31;",
+                    f"    add.s32 s{h}, i{h}{b}, s{h};",
+                    f"    mov.b64 d{h}{d}, {{i{h}{a}, s{h}}};"]
     out += [f"    selp.b64 x{h}, d{h}0, d{h}1, odd;",  # the odd lane sends its first word
             f"    mov.b64 {{xl{h}, xh{h}}}, x{h};",
             f"    shfl.sync.bfly.b32 xl{h}, xl{h}, 4, 0x1f, 0xffffffff;",
@@ -119,7 +124,7 @@ def _packed_reds(h: str, p: str, ba: str, w: list) -> list:
     return out
 
 
-def _lines_half(h: str, k: int, red: str, packed: bool = False) -> str:
+def _lines_half(h: str, k: int, red: str, packed: bool = False, convert: bool = True) -> str:
     """One half: lanes l and l ^ 4 swap the base and the values of the row the other one
     adds, so each 16-byte reduction of the warp covers whole 128-byte lines. ``red``: the
     reduction, "{addr}, {vals}" filled in."""
@@ -144,17 +149,18 @@ def _lines_half(h: str, k: int, red: str, packed: bool = False) -> str:
         lines += [f"    selp.b32 w{h}{i}, v{h}{i}, ${v[i]}, odd;" if first else
                   f"    selp.b32 w{h}{i}, ${w[i]}, v{h}{i}, odd;" for i in range(4)]
         if packed:
-            lines += _packed_reds(h, f"p{h}", f"ba{h}", [f"w{h}{i}" for i in range(4)])
+            lines += _packed_reds(h, f"p{h}", f"ba{h}", [f"w{h}{i}" for i in range(4)], convert)
         else:
             lines += [f"    @p{h} " + red.format(addr=f"[ba{h}]", vals=f"{{w{h}0, w{h}1, w{h}2, w{h}3}}")]
     return "\n".join(lines) + "\n"
 
 
-def _lines_ptx(evict_last: bool = False, packed: bool = False) -> str:
+def _lines_ptx(evict_last: bool = False, packed: bool = False, convert: bool = True) -> str:
     """``evict_last``: each reduction carries an L2 evict-last cache policy (``createpolicy``
     once, then ``red...add.L2::cache_hint``, PTX 7.4+ / sm_80+): the accumulator's lines are
     the last the L2 evicts, which matters once the fp32 [N, D] rows outgrow it (T = 32768:
-    84 MB). ``packed``: two s32 words a ``red.add.u64`` instead (``_packed_reds``)."""
+    84 MB). ``packed``: two s32 words a ``red.add.u64`` instead (``_packed_reds``, with
+    ``convert``)."""
     if evict_last:
         policy = "    .reg .b64 pol;\n    createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
         red = "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32 {addr}, {vals}, pol;"
@@ -164,7 +170,7 @@ def _lines_ptx(evict_last: bool = False, packed: bool = False) -> str:
             + _lines_half_decls("x", packed) + _lines_half_decls("y", packed)
             + "    mov.u32 l, %laneid;\n    and.b32 t, l, 4;\n    setp.ne.b32 odd, t, 0;\n"
             + "    and.b32 l, l, 3;\n    mul.wide.u32 o, l, 16;\n"
-            + _lines_half("x", 0, red, packed) + _lines_half("y", 2, red, packed)
+            + _lines_half("x", 0, red, packed, convert) + _lines_half("y", 2, red, packed, convert)
             + "".join(f"    mov.b32 ${4 * i}, 0; mov.b32 ${4 * i + 1}, 0; mov.b32 ${4 * i + 2}, 0; "
                       f"mov.b32 ${4 * i + 3}, 0;\n" for i in range(4))
             + "}")
@@ -173,6 +179,7 @@ def _lines_ptx(evict_last: bool = False, packed: bool = False) -> str:
 _LINES_PTX_SRC = _lines_ptx()
 _LINES_EVICT_LAST_PTX_SRC = _lines_ptx(evict_last=True)
 _LINES_PACKED_PTX_SRC = _lines_ptx(packed=True)
+_LINES_PACKED_RAW_PTX_SRC = _lines_ptx(packed=True, convert=False)
 _LINES_CONSTRAINTS_SRC = ("=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,"
                           "l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,"
                           "r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,"
@@ -190,6 +197,7 @@ if gl is not None:
     _LINES_PTX = gl.constexpr(_LINES_PTX_SRC)
     _LINES_PTX_EVICT_LAST = gl.constexpr(_LINES_EVICT_LAST_PTX_SRC)
     _LINES_PTX_PACKED = gl.constexpr(_LINES_PACKED_PTX_SRC)
+    _LINES_PTX_PACKED_RAW = gl.constexpr(_LINES_PACKED_RAW_PTX_SRC)
     _LINES_CONSTRAINTS = gl.constexpr(_LINES_CONSTRAINTS_SRC)
     # cp.async gather into shared memory (3.8+: async_load)
     async_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
@@ -326,11 +334,16 @@ if gl is not None:
                                          dtype=gl.int32, is_pure=False, pack=16)
 
     @gluon.jit
-    def red_s32x2_lines(group_base, acc, on):
+    def red_s32x2_lines(group_base, acc, on, CONVERT: gl.constexpr = True):
         """``red_f32x4_lines``' rows and lines with each value scaled by ``PACKED_SCALE``,
         rounded to s32, and two adjacent words added by one ``red.add.u64`` into an
-        accumulator of s32 words (``_packed_reds``): a timing prototype of exact sums."""
-        return gl.inline_asm_elementwise(_LINES_PTX_PACKED, _LINES_CONSTRAINTS, [group_base, acc, on],
+        accumulator of s32 words (``_packed_reds``): a timing prototype of exact sums.
+        ``CONVERT`` False: the fp32 bits as the words (the same reductions without the
+        conversion's instructions, to tell their cost apart)."""
+        if CONVERT:
+            return gl.inline_asm_elementwise(_LINES_PTX_PACKED, _LINES_CONSTRAINTS, [group_base, acc, on],
+                                             dtype=gl.int32, is_pure=False, pack=16)
+        return gl.inline_asm_elementwise(_LINES_PTX_PACKED_RAW, _LINES_CONSTRAINTS, [group_base, acc, on],
                                          dtype=gl.int32, is_pure=False, pack=16)
 
 
