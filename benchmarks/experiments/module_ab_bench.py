@@ -25,7 +25,7 @@ import dsv4_sparse_attn  # noqa: F401
 import triton
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import inputs, peer_bwd, relerr, time_arms  # (this directory)
+from side_by_side import env_shapes, inputs, peer_bwd, relerr, time_arms  # (this directory)
 from side_by_side import cudnn_peer as load_peer
 
 
@@ -40,8 +40,8 @@ def load_base(path):
 D = 512
 base = load_base(os.environ["BASE_GLUON"])
 cudnn_peer = load_peer()
-shapes = [tuple(int(v) for v in s.split(",")) for s in os.environ.get("SHAPES", "").split(";") if s] or [
-    (4096, 64, 640), (4096, 128, 1152), (4096, 128, 512), (4096, 16, 1152)]
+shapes = env_shapes([
+    (4096, 64, 640), (4096, 128, 1152), (4096, 128, 512), (4096, 16, 1152)])
 print(json.dumps(dict(triton=triton.__version__, base=os.environ["BASE_GLUON"],
                       split_roles=backward_gluon.SPLIT_ROLES, dq_tma=backward_gluon.DQ_TMA)), flush=True)
 for T, H, K in shapes:

@@ -20,7 +20,6 @@ unconverted; no reload either; the rounding is a quarter-rate F2I a value), so t
 consumers may become issue-bound: 1.2-1.6x.
 """
 import json
-import os
 
 import torch
 
@@ -28,13 +27,13 @@ import dsv4_sparse_attn  # noqa: F401
 import triton
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import inputs, peer_bwd, time_arms  # (this directory)
+from side_by_side import env_shapes, inputs, peer_bwd, time_arms  # (this directory)
 from side_by_side import cudnn_peer as load_peer
 
 D = 512
 cudnn_peer = load_peer()
-shapes = [tuple(int(v) for v in s.split(",")) for s in os.environ.get("SHAPES", "").split(";") if s] or [
-    (4096, 64, 640), (4096, 128, 1152), (4096, 128, 512)]
+shapes = env_shapes([
+    (4096, 64, 640), (4096, 128, 1152), (4096, 128, 512)])
 for T, H, K in shapes:
     q, kv, idx, sink, do, out, lse = inputs(T, H, K, D)
     scale = D ** -0.5

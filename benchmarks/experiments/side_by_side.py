@@ -2,6 +2,7 @@
 rows, then distinct pool ids; N = T + max(T/4, K)), drawn from one generator seeded per
 shape, so that every script times the same tensors for the same (T, H, K, seed); the timing
 they all use; and cuDNN's peer module from the kit's folder."""
+import os
 import sys
 
 import torch
@@ -32,6 +33,13 @@ def inputs(T, H, K, D=512, d_v=None, seed=None, dev="cuda"):
     do = torch.randn(T, H, d_v, device=dev, dtype=torch.bfloat16, generator=g)
     out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, None, None, None if d_v == D else d_v)
     return q, kv, idx, sink, do, out, lse
+
+
+def env_shapes(default):
+    """(T, H, K) triples from the environment's SHAPES ("T,H,K;T,H,K", to run fewer in a short
+    call), else ``default``."""
+    given = [tuple(int(v) for v in s.split(",")) for s in os.environ.get("SHAPES", "").split(";") if s]
+    return given or default
 
 
 def relerr(a, b):

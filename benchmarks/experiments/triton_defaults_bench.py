@@ -50,14 +50,14 @@ import dsv4_sparse_attn  # noqa: F401
 import triton
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import inputs, peer_bwd, relerr, time_arms  # (this directory)
+from side_by_side import env_shapes, inputs, peer_bwd, relerr, time_arms  # (this directory)
 from side_by_side import cudnn_peer as load_peer
 
 D = 512
 cudnn_peer = load_peer()
 # SHAPES="T,H,K;..." (and ARMS, below) to run fewer (a call has about 5 minutes for the script)
-shapes = [tuple(int(v) for v in s.split(",")) for s in os.environ.get("SHAPES", "").split(";") if s] or [
-    (4096, 64, 640), (4096, 128, 1152), (4096, 128, 512), (4096, 64, 160), (4096, 16, 1152), (4096, 32, 1152)]
+shapes = env_shapes([(4096, 64, 640), (4096, 128, 1152), (4096, 128, 512), (4096, 64, 160), (4096, 16, 1152),
+                     (4096, 32, 1152)])
 print(json.dumps(dict(triton=triton.__version__, split_roles=backward_gluon.SPLIT_ROLES,
                       dq_tma=backward_gluon.DQ_TMA, qd_tma_max_k=backward_gluon.QD_TMA_MAX_K,
                       small_h_transposed=backward_gluon.SMALL_H_TRANSPOSED)), flush=True)
