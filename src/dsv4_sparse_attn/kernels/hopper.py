@@ -11,6 +11,7 @@ below pick whichever this Triton has, so the kernels are written once.
 from __future__ import annotations
 
 import functools
+import struct
 
 import torch
 import triton
@@ -96,7 +97,7 @@ def _packed_reds(h: str, p: str, ba: str, w: list, convert: bool = True) -> list
     if not convert:
         out = [f"    mov.b64 d{h}0, {{{w[0]}, {w[1]}}};", f"    mov.b64 d{h}1, {{{w[2]}, {w[3]}}};"]
     else:
-        scale = f"0f{int.from_bytes(__import__('struct').pack('>f', PACKED_SCALE), 'big'):08X}"
+        scale = f"0f{struct.unpack('>I', struct.pack('>f', PACKED_SCALE))[0]:08X}"
         out = [f"    mul.rn.f32 i{h}{i}, {w[i]}, {scale};" for i in range(4)]
         out += [f"    cvt.rni.s32.f32 i{h}{i}, i{h}{i};" for i in range(4)]
         for d, (a, b) in enumerate(((0, 1), (2, 3))):  # hi word less one where the low one is negative
@@ -124,10 +125,10 @@ def _packed_reds(h: str, p: str, ba: str, w: list, convert: bool = True) -> list
     return out
 
 
-def _lines_half(h: str, k: int, red: str, packed: bool = False, convert: bool = True) -> str:
+def _lines_half(h: str, k: int, reds) -> str:
     """One half: lanes l and l ^ 4 swap the base and the values of the row the other one
-    adds, so each 16-byte reduction of the warp covers whole 128-byte lines. ``red``: the
-    reduction, "{addr}, {vals}" filled in."""
+    adds, so each 16-byte reduction of the warp covers whole 128-byte lines. ``reds(h,
+    predicate, address, values)``: the statements that add a row's four values."""
     b0, b1, fl = 16 + k, 24 + k, 48 + k
     v = [32 + k, 33 + k, 36 + k, 37 + k]  # this lane's values of the first row
     w = [40 + k, 41 + k, 44 + k, 45 + k]  # and of the second
@@ -148,10 +149,7 @@ def _lines_half(h: str, k: int, red: str, packed: bool = False, convert: bool = 
                   f"    setp.ne.b32 p{h}, f{h}, 0;"]
         lines += [f"    selp.b32 w{h}{i}, v{h}{i}, ${v[i]}, odd;" if first else
                   f"    selp.b32 w{h}{i}, ${w[i]}, v{h}{i}, odd;" for i in range(4)]
-        if packed:
-            lines += _packed_reds(h, f"p{h}", f"ba{h}", [f"w{h}{i}" for i in range(4)], convert)
-        else:
-            lines += [f"    @p{h} " + red.format(addr=f"[ba{h}]", vals=f"{{w{h}0, w{h}1, w{h}2, w{h}3}}")]
+        lines += reds(h, f"p{h}", f"ba{h}", [f"w{h}{i}" for i in range(4)])
     return "\n".join(lines) + "\n"
 
 
@@ -163,14 +161,19 @@ def _lines_ptx(evict_last: bool = False, packed: bool = False, convert: bool = T
     ``convert``)."""
     if evict_last:
         policy = "    .reg .b64 pol;\n    createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
-        red = "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32 {addr}, {vals}, pol;"
+        red = "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32 [{}], {{{}}}, pol;"
     else:
-        policy, red = "", "red.relaxed.gpu.global.add.v4.f32 {addr}, {vals};"
+        policy, red = "", "red.relaxed.gpu.global.add.v4.f32 [{}], {{{}}};"
+    if packed:
+        reds = functools.partial(_packed_reds, convert=convert)
+    else:
+        def reds(h, p, ba, w):
+            return [f"    @{p} " + red.format(ba, ", ".join(w))]
     return ("{\n" + policy + "    .reg .pred odd;\n    .reg .b32 l, t;\n    .reg .b64 o;\n"
             + _lines_half_decls("x", packed) + _lines_half_decls("y", packed)
             + "    mov.u32 l, %laneid;\n    and.b32 t, l, 4;\n    setp.ne.b32 odd, t, 0;\n"
             + "    and.b32 l, l, 3;\n    mul.wide.u32 o, l, 16;\n"
-            + _lines_half("x", 0, red, packed, convert) + _lines_half("y", 2, red, packed, convert)
+            + _lines_half("x", 0, reds) + _lines_half("y", 2, reds)
             + "".join(f"    mov.b32 ${4 * i}, 0; mov.b32 ${4 * i + 1}, 0; mov.b32 ${4 * i + 2}, 0; "
                       f"mov.b32 ${4 * i + 3}, 0;\n" for i in range(4))
             + "}")
