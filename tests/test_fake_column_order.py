@@ -68,6 +68,36 @@ def _lines_asm(src: str | None = None) -> list[str]:
     return [s for s in stmts if s and not s.startswith(".reg") and not re.match(r"mov\.b32 \$\d+, 0", s)]
 
 
+def _s32(v):
+    """A 32-bit word (held as 0 .. 2^32 - 1) as a signed integer."""
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def _lines_instances(row_stride, masked, value):
+    """The operands of every instance of a lines asm (``red_f32x4_lines``' layout, 16
+    registers of a thread) over the warps of a [64, 64] wgmma accumulator: for each, one
+    dict per lane with %laneid, the group bases of slot rows ``row_stride`` bytes apart,
+    the values ``value(row, col)`` and the ``on`` flags (0 for the rows in ``masked``)."""
+    reg_bases = wgmma_register_bases()
+    for warp in range(4):
+        wr, wc = _coord(WARP_BASES, warp)
+        coords = []
+        for lane in range(32):
+            lr, lc = _coord(LANE_BASES, lane)
+            coords.append([(wr ^ lr ^ rr, wc ^ lc ^ rc)
+                           for rr, rc in (_coord(reg_bases, i) for i in range(32))])
+        for p0 in range(0, 32, 16):  # one asm instance: registers p0..p0+15
+            regs = []
+            for lane in range(32):
+                r = {"%laneid": lane}
+                for i, (row, col) in enumerate(coords[lane][p0:p0 + 16]):
+                    r[f"${16 + i}"] = row * row_stride + (col // 16) * 64  # group base (fake_group_base)
+                    r[f"${32 + i}"] = value(row, col)
+                    r[f"${48 + i}"] = int(row not in masked)
+                regs.append(r)
+            yield regs
+
+
 def _run_ptx(stmts, regs):
     """Replay the asm for the 32 lanes of a warp (``regs``: one dict per lane, operands and
     %laneid filled in). Returns the reductions: [(lane, byte address, values)] per instruction."""
@@ -84,9 +114,6 @@ def _run_ptx(stmts, regs):
         if x.startswith("0f"):  # an f32 immediate
             return struct.unpack(">f", bytes.fromhex(x[2:]))[0]
         return int(x, 0)
-
-    def s32(v):  # a 32-bit word (held as 0 .. 2^32 - 1) as a signed integer
-        return v - (1 << 32) if v >= 1 << 31 else v
 
     for st in stmts:
         pred, op, args = re.match(r"(@!?\w+\s+)?([\w.]+)\s+(.*)", st).groups()
@@ -138,7 +165,7 @@ def _run_ptx(stmts, regs):
             elif op == "cvt.rni.s32.f32":
                 r[a[0]] = round(val(lane, a[1])) & 0xFFFFFFFF
             elif op == "shr.s32":
-                r[a[0]] = (s32(val(lane, a[1])) >> val(lane, a[2])) & 0xFFFFFFFF
+                r[a[0]] = (_s32(val(lane, a[1])) >> val(lane, a[2])) & 0xFFFFFFFF
             elif op == "add.s32":
                 r[a[0]] = (val(lane, a[1]) + val(lane, a[2])) & 0xFFFFFFFF
             else:
@@ -151,46 +178,28 @@ def test_whole_line_reductions_put_every_value_at_its_fake_column():
     every value of a piece lands once at fake_col of its column in its own row, masked rows
     (``on`` = 0) get nothing, and every reduction instruction of a warp covers whole
     128-byte lines (4 rows, 8 lanes each)."""
-    import pytest
-
     from dsv4_sparse_attn.kernels import hopper
 
     if hopper.gluon_unavailable():
         pytest.skip(f"no Gluon in this Triton: {hopper.gluon_unavailable()}")
     stmts = _lines_asm()
-    reg_bases = wgmma_register_bases()
     row_stride = 1 << 12  # bytes between two slot rows' accumulator rows (any multiple of 128)
     masked = {5, 17, 40}  # slot rows whose reductions are predicated off
     got = {}
-    for warp in range(4):
-        wr, wc = _coord(WARP_BASES, warp)
-        coords = []
-        for lane in range(32):
-            lr, lc = _coord(LANE_BASES, lane)
-            coords.append([(wr ^ lr ^ rr, wc ^ lc ^ rc)
-                           for rr, rc in (_coord(reg_bases, i) for i in range(32))])
-        for p0 in range(0, 32, 16):  # one asm instance: registers p0..p0+15
-            regs = []
-            for lane in range(32):
-                e = coords[lane][p0:p0 + 16]
-                r = {"%laneid": lane}
-                for i, (row, col) in enumerate(e):
-                    r[f"${16 + i}"] = row * row_stride + (col // 16) * 64  # group base (fake_group_base)
-                    r[f"${32 + i}"] = (row, col)  # the value: which element it is
-                    r[f"${48 + i}"] = int(row not in masked)
-                regs.append(r)
-            for instr in _run_ptx(stmts, regs):
-                lines = set()
-                for lane, addr, values in instr:
-                    assert addr % 16 == 0, (lane, addr)
-                    for k, (row, col) in enumerate(values):
-                        word = addr // 4 + k
-                        assert word // (row_stride // 4) == row, (lane, row, col)  # its own row
-                        assert (row, col) not in got, (row, col)
-                        got[(row, col)] = word % (row_stride // 4)
-                    lines.add(addr // 128)
-                if len(instr) == 32:  # no masked row in this instruction
-                    assert len(lines) == 4, lines
+    # (the value: which element it is)
+    for regs in _lines_instances(row_stride, masked, lambda row, col: (row, col)):
+        for instr in _run_ptx(stmts, regs):
+            lines = set()
+            for lane, addr, values in instr:
+                assert addr % 16 == 0, (lane, addr)
+                for k, (row, col) in enumerate(values):
+                    word = addr // 4 + k
+                    assert word // (row_stride // 4) == row, (lane, row, col)  # its own row
+                    assert (row, col) not in got, (row, col)
+                    got[(row, col)] = word % (row_stride // 4)
+                lines.add(addr // 128)
+            if len(instr) == 32:  # no masked row in this instruction
+                assert len(lines) == 4, lines
     want = fake_col(torch.arange(64)).tolist()
     assert len(got) == 64 * (64 - len(masked))
     assert all(got[(r, c)] == want[c] and r not in masked for (r, c) in got)
@@ -210,55 +219,41 @@ def test_packed_word_reductions_put_every_value_at_its_fake_column(convert):
     if hopper.gluon_unavailable():
         pytest.skip(f"no Gluon in this Triton: {hopper.gluon_unavailable()}")
     stmts = _lines_asm(hopper._LINES_PACKED_PTX_SRC if convert else hopper._LINES_PACKED_RAW_PTX_SRC)
-    reg_bases = wgmma_register_bases()
     row_stride = 1 << 12
     masked = {5, 17, 40}
-    value = {}  # (row, col) -> the integer the rounding must give
+
+    def value(row, col):  # the integer the rounding must give, negative for a third
+        return (row * 64 + col + 1) * (-1 if (row + col) % 3 == 0 else 1)
+
+    def register(row, col):  # (unconverted: the register's bits are the word, here the s32 of v)
+        v = value(row, col)
+        return v / hopper.PACKED_SCALE if convert else v & 0xFFFFFFFF
+
     words = {}  # byte address -> 64-bit sum
-    for warp in range(4):
-        wr, wc = _coord(WARP_BASES, warp)
-        coords = []
-        for lane in range(32):
-            lr, lc = _coord(LANE_BASES, lane)
-            coords.append([(wr ^ lr ^ rr, wc ^ lc ^ rc)
-                           for rr, rc in (_coord(reg_bases, i) for i in range(32))])
-        for p0 in range(0, 32, 16):
-            regs = []
-            for lane in range(32):
-                e = coords[lane][p0:p0 + 16]
-                r = {"%laneid": lane}
-                for i, (row, col) in enumerate(e):
-                    v = (row * 64 + col + 1) * (-1 if (row + col) % 3 == 0 else 1)
-                    value[(row, col)] = v
-                    r[f"${16 + i}"] = row * row_stride + (col // 16) * 64
-                    # (unconverted: the register's bits are the word, here the s32 of v)
-                    r[f"${32 + i}"] = v / hopper.PACKED_SCALE if convert else v & 0xFFFFFFFF
-                    r[f"${48 + i}"] = int(row not in masked)
-                regs.append(r)
-            for instr in _run_ptx(stmts, regs):
-                halves = {}
-                for lane, addr, (w,) in instr:
-                    assert addr % 8 == 0 and addr not in words, (lane, addr)
-                    words[addr] = w
-                    halves.setdefault(addr // 64, set()).add(addr % 64)
-                if len(instr) == 32:  # no masked row in this instruction
-                    whole = all(h == set(range(0, 64, 8)) for h in halves.values())
-                    assert len(halves) == 4 and whole, halves
+    for regs in _lines_instances(row_stride, masked, register):
+        for instr in _run_ptx(stmts, regs):
+            halves = {}
+            for lane, addr, (w,) in instr:
+                assert addr % 8 == 0 and addr not in words, (lane, addr)
+                words[addr] = w
+                halves.setdefault(addr // 64, set()).add(addr % 64)
+            if len(instr) == 32:  # no masked row in this instruction
+                whole = all(h == set(range(0, 64, 8)) for h in halves.values())
+                assert len(halves) == 4 and whole, halves
     got = {}
     for addr, w in words.items():
-        lo = w & 0xFFFFFFFF
-        lo = lo - (1 << 32) if lo >= 1 << 31 else lo
+        lo = _s32(w & 0xFFFFFFFF)
         hi = (w - lo) >> 32 if convert else w >> 32  # (unconverted: no sign fix-up to undo)
-        hi = hi - (1 << 32) if hi >= 1 << 31 else hi
-        got[addr // 4], got[addr // 4 + 1] = lo, hi
+        got[addr // 4], got[addr // 4 + 1] = lo, _s32(hi & 0xFFFFFFFF)
     want = fake_col(torch.arange(64)).tolist()
     assert len(got) == 64 * (64 - len(masked))
-    for (row, col), v in value.items():
-        word = row * row_stride // 4 + want[col]
-        if row in masked:
-            assert word not in got
-        else:
-            assert got[word] == v, (row, col, got.get(word), v)
+    for row in range(64):
+        for col in range(64):
+            word = row * row_stride // 4 + want[col]
+            if row in masked:
+                assert word not in got
+            else:
+                assert got[word] == value(row, col), (row, col, got.get(word), value(row, col))
 
 
 def _statements(ptx: str) -> list[str]:
