@@ -412,3 +412,20 @@ def test_gluon_backward_releases_q_and_do_early_only_with_tma_and_split_roles(mo
     for bad in (1, 4):
         with pytest.raises(ValueError, match="qd_early"):
             loads(q, q, 0, 2, 640, qd_tma=True, qd_early=bad)
+
+
+def test_packed_word_prototype_only_where_asked():
+    """``launch(ablate=64)`` selects the packed-word reductions (RED 4; 5 with 128,
+    unconverted) in the fast mode only; the deterministic mode and every other ablation
+    keep ``red_mode``'s reductions."""
+    from dsv4_sparse_attn.kernels import hopper
+
+    if hopper.gluon_unavailable():
+        pytest.skip(f"no Gluon in this Triton: {hopper.gluon_unavailable()}")
+    from dsv4_sparse_attn.kernels import backward_gluon as G
+
+    assert G._red(False, None, 64) == 4 and G._red(False, True, 64 | 128) == 5
+    assert G._red(True, None, 64) == G._red(True, None, 64 | 128) == 0
+    for ablate in (0, 8, 128):
+        for lines in (None, False, True):
+            assert G._red(False, lines, ablate) == G.red_mode(False, lines)

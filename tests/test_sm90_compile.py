@@ -240,6 +240,21 @@ def test_gluon_backward_d512_compiles_for_sm90(red, has_len):
         assert all(lp["STG"] == 64 for lp in r["mma_loops"]), r["mma_loops"]
 
 
+@pytest.mark.parametrize("ablate", [64, 64 | 128], ids=["converted", "unconverted"])
+def test_gluon_backward_packed_word_prototype_compiles_for_sm90(ablate):
+    """The timing prototype of exact sums (``launch(ablate=64)``: the fast mode's reductions
+    as two s32 words a ``red.add.u64``, ``hopper.red_s32x2_lines``; 128: unconverted)
+    assembles for sm_90 as the launcher builds it, without serialising its wgmmas or
+    reloading in its block loops (Triton 3.6.0: 4525 / 3887 instructions a loop against
+    2483), and sends 64-bit reductions, not the 16-byte fp32 ones, which the option replaces."""
+    r = compile_backward_gluon(red=True, split=2, dq_tma=True, ablate=ablate)
+    assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
+    assert len(r["mma_loops"]) == 2, r["mma_loops"]
+    assert all(lp["LDL"] == 0 and lp["REDG4"] == 0 for lp in r["mma_loops"]), r["mma_loops"]
+    base = compile_backward_gluon(red=True, split=2, dq_tma=True)
+    assert all(lp["REDG4"] > 0 for lp in base["mma_loops"]), base["mma_loops"]
+
+
 def test_gluon_backward_evict_last_option_compiles_for_sm90():
     """The fast mode with the L2 evict-last policy on its reductions (an A/B option,
     ``launch(evict_last=True)``): the same budget as without it, and the policy in the PTX."""
