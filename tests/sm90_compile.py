@@ -79,9 +79,10 @@ def _instructions(sass: str) -> list[tuple[int, str]]:
 
 def mma_loops(sass: str) -> list[dict]:
     """The innermost loops of a kernel's SASS that hold wgmmas (HGMMA), with their counts of
-    spill reloads (LDL), global stores (STG), HGMMA, 16-byte fp32 reductions (REDG4) and
-    moves from a register to a uniform register (R2UR: a wgmma descriptor formed in the
-    vector datapath, as under Triton 3.9, instead of the uniform one).
+    spill reloads (LDL), global stores (STG), HGMMA, 16-byte fp32 reductions (REDG4),
+    FADD, instructions (size) and moves from a register to a uniform register (R2UR: a
+    wgmma descriptor formed in the vector datapath, as under Triton 3.9, instead of the
+    uniform one).
 
     A loop is a conditional backward branch and the code from its target to it (an
     mbarrier wait's out-of-line retry ends in an unconditional branch back: not a loop).
@@ -95,7 +96,8 @@ def mma_loops(sass: str) -> list[dict]:
             body = [t for p, t in ins if start <= p <= pc]
             count = lambda op: sum(1 for t in body if re.match(op + r"\b", t))  # noqa: E731
             loops.append(dict(start=start, end=pc, LDL=count("LDL"), STG=count("STG"), HGMMA=count("HGMMA"),
-                              R2UR=count("R2UR"), REDG4=sum(1 for t in body if re.match(r"REDG\S*F32x4", t))))
+                              R2UR=count("R2UR"), FADD=count("FADD"), size=len(body),
+                              REDG4=sum(1 for t in body if re.match(r"REDG\S*F32x4", t))))
     mma = [lp for lp in loops if lp["HGMMA"]]
     return [lp for lp in mma
             if not any(o is not lp and lp["start"] <= o["start"] and o["end"] <= lp["end"] for o in mma)]

@@ -416,8 +416,8 @@ def test_gluon_backward_releases_q_and_do_early_only_with_tma_and_split_roles(mo
 
 def test_packed_word_prototype_only_where_asked():
     """``launch(ablate=64)`` selects the packed-word reductions (RED 4; 5 with 128,
-    unconverted) in the fast mode only; the deterministic mode and every other ablation
-    keep ``red_mode``'s reductions."""
+    unconverted), ``ablate=256`` the grid-rounded fp32 lines (6), in the fast mode only;
+    the deterministic mode and every other ablation keep ``red_mode``'s reductions."""
     from dsv4_sparse_attn.kernels import hopper
 
     if hopper.gluon_unavailable():
@@ -426,6 +426,7 @@ def test_packed_word_prototype_only_where_asked():
 
     assert G._red(False, None, 64) == 4 and G._red(False, True, 64 | 128) == 5
     assert G._red(True, None, 64) == G._red(True, None, 64 | 128) == 0
+    assert G._red(False, None, 256) == G._red(False, False, 256) == 6 and G._red(True, None, 256) == 0
     for ablate in (0, 8, 128):
         for lines in (None, False, True):
             assert G._red(False, lines, ablate) == G.red_mode(False, lines)

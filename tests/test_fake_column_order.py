@@ -162,6 +162,9 @@ def _run_ptx(stmts, regs):
                 r[a[0]] = val(lane, a[1]) + val(lane, a[2])
             elif op == "mul.rn.f32":  # (the values are Python floats here: exact in the test)
                 r[a[0]] = val(lane, a[1]) * val(lane, a[2])
+            elif op in ("add.rn.f32", "sub.rn.f32"):  # (Python floats: the sum of two f32 is exact,
+                b = val(lane, a[2]) * (1 if op == "add.rn.f32" else -1)  # then rounded to f32)
+                r[a[0]] = struct.unpack("f", struct.pack("f", val(lane, a[1]) + b))[0]
             elif op == "cvt.rni.s32.f32":
                 r[a[0]] = round(val(lane, a[1])) & 0xFFFFFFFF
             elif op == "shr.s32":
@@ -203,6 +206,47 @@ def test_whole_line_reductions_put_every_value_at_its_fake_column():
     want = fake_col(torch.arange(64)).tolist()
     assert len(got) == 64 * (64 - len(masked))
     assert all(got[(r, c)] == want[c] and r not in masked for (r, c) in got)
+
+
+def test_grid_rounded_reductions_put_every_value_at_its_fake_column():
+    """``hopper.red_f32x4_lines_grid`` (a timing prototype: the fp32 lines with each value
+    rounded to a grid by ``x + C - C``), replayed from its PTX: every value lands once at
+    fake_col of its column in its own row, as a multiple of the grid 2^e (C = 1.5 * 2^(e + 24))
+    within one grid step of itself (two above 2^(e + 23)), negative and large values
+    included; masked rows get nothing."""
+    import math
+
+    from dsv4_sparse_attn.kernels import hopper
+
+    if hopper.gluon_unavailable():
+        pytest.skip(f"no Gluon in this Triton: {hopper.gluon_unavailable()}")
+    stmts = _lines_asm(hopper._LINES_GRID_PTX_SRC)
+    row_stride = 1 << 12
+    masked = {5, 17, 40}
+    step = 2.0 ** (math.log2(hopper.GRID_C / 1.5) - 24)
+    gen = torch.Generator().manual_seed(0)
+    # magnitudes from 2^-30 to 2^24 grid steps (up to the range a row's bound allows)
+    mags = torch.exp2(torch.empty(64, 64).uniform_(-30, 24, generator=gen)) * step
+    signs = torch.where(torch.rand(64, 64, generator=gen) < 0.5, -1.0, 1.0)
+    x = (mags * signs).float()
+    got = {}
+    for regs in _lines_instances(row_stride, masked, lambda row, col: float(x[row, col])):
+        for instr in _run_ptx(stmts, regs):
+            for lane, addr, values in instr:
+                for k, v in enumerate(values):
+                    assert addr // 4 + k not in got, (lane, addr)
+                    got[addr // 4 + k] = v
+    want = fake_col(torch.arange(64)).tolist()
+    assert len(got) == 64 * (64 - len(masked))
+    for row in range(64):
+        for col in range(64):
+            word = row * row_stride // 4 + want[col]
+            if row in masked:
+                assert word not in got
+                continue
+            v, xv = got[word], float(x[row, col])
+            near = 2 * step if abs(xv) >= 2 ** 23 * step else step  # (x + C past 2^(e + 25): coarser)
+            assert v / step == int(v / step) and abs(v - xv) <= near, (row, col, v, xv)
 
 
 @pytest.mark.parametrize("convert", [True, False])

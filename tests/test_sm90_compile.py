@@ -255,6 +255,22 @@ def test_gluon_backward_packed_word_prototype_compiles_for_sm90(ablate):
     assert all(lp["REDG4"] > 0 for lp in base["mma_loops"]), base["mma_loops"]
 
 
+def test_gluon_backward_grid_rounding_prototype_compiles_for_sm90():
+    """The timing prototype of exact fp32 sums on a grid (``launch(ablate=256)``: the fast
+    mode's reductions, each value rounded to a grid by two adds first,
+    ``hopper.red_f32x4_lines_grid``) assembles like the fast mode: no serialisation, no
+    reload, the same 16-byte reductions, two more instructions a reduced value."""
+    r = compile_backward_gluon(red=True, split=2, dq_tma=True, ablate=256)
+    base = compile_backward_gluon(red=True, split=2, dq_tma=True)
+    assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
+    assert len(r["mma_loops"]) == 2, r["mma_loops"]
+    assert all(lp["LDL"] == 0 for lp in r["mma_loops"]), r["mma_loops"]
+    assert [lp["REDG4"] for lp in r["mma_loops"]] == [lp["REDG4"] for lp in base["mma_loops"]]
+    # 4 values a reduction, 2 adds a value (ptxas must not fold x + C - C)
+    assert all(lp["FADD"] >= b["FADD"] + 8 * b["REDG4"]
+               for lp, b in zip(r["mma_loops"], base["mma_loops"])), (r["mma_loops"], base["mma_loops"])
+
+
 def test_gluon_backward_evict_last_option_compiles_for_sm90():
     """The fast mode with the L2 evict-last policy on its reductions (an A/B option,
     ``launch(evict_last=True)``): the same budget as without it, and the policy in the PTX."""

@@ -5,7 +5,10 @@ shipped, with every reduction predicated off (``ablate=8``), the deterministic m
 cuDNN's backward, A, B, A, B in one process; ``packed_raw`` (``ablate=64 | 128``) sends the
 same words unconverted (the fp32 bits), so packed - packed_raw is the conversion's cost and
 packed_raw - fast the 64-bit reductions' and their exchange's. Timing only: the packed
-arms' grad_kv is s32 words read as fp32.
+arms' grad_kv is s32 words read as fp32. ``grid`` (``ablate=256``,
+``hopper.red_f32x4_lines_grid``): the fast mode's fp32 lines with each value first rounded
+to a grid by two adds (exact fp32 sums on a per-row grid: open lead 3). ARMS="fast,grid"
+runs only those arms (and cuDNN); SHAPES="T,H,K;...".
 
     PYTHONPATH=src:/tmp/cudnn_site python benchmarks/experiments/packed_reductions_bench.py [PEER_DIR]
 
@@ -18,8 +21,14 @@ lines 0.42), the kernel about 1.2x the fast mode's. From the issue side (static,
 3.6.0, split 2 with dQ by TMA): the block loops grow from 2483 to 4525 instructions (3887
 unconverted; no reload either; the rounding is a quarter-rate F2I a value), so the
 consumers may become issue-bound: 1.2-1.6x.
+
+The grid arm (static, Triton 3.6.0, split 2 with dQ by TMA): the same 64 reductions a loop,
+2996 / 3014 instructions against 2484 / 2502 (512 full-rate FADDs more), no reload.
+Prediction: 1.05-1.15x the fast mode's time (below packed_raw's 1.28x: no 64-bit
+reductions, no exchange of words, a third of its added instructions).
 """
 import json
+import os
 
 import torch
 
@@ -45,11 +54,18 @@ for T, H, K in shapes:
 
     fns = {"fast": lambda: run(False), "packed": lambda: run(False, ablate=64),
            "packed_raw": lambda: run(False, ablate=64 | 128),
-           "no_reductions": lambda: run(False, ablate=8), "det": lambda: run(True)}
+           "no_reductions": lambda: run(False, ablate=8), "det": lambda: run(True),
+           "grid": lambda: run(False, ablate=256)}
+    if os.environ.get("ARMS"):
+        keep = set(os.environ["ARMS"].split(",")) | {"fast"}
+        fns = {k: v for k, v in fns.items() if k in keep}
     time_arms(r, fns, 10 * T * H * K * D, peer_bwd(cudnn_peer, r, q, kv, idx, sink, scale, out, lse, do))
-    r["packed_over_fast"] = round(r["packed_ms"] / r["fast_ms"], 3)
-    r["packed_share_over_fast_share"] = round((r["packed_ms"] - r["no_reductions_ms"])
-                                              / max(r["fast_ms"] - r["no_reductions_ms"], 1e-6), 2)
+    for arm in ("packed", "grid"):
+        if f"{arm}_ms" in r:
+            r[f"{arm}_over_fast"] = round(r[f"{arm}_ms"] / r["fast_ms"], 3)
+    if "packed_ms" in r and "no_reductions_ms" in r:
+        r["packed_share_over_fast_share"] = round((r["packed_ms"] - r["no_reductions_ms"])
+                                                  / max(r["fast_ms"] - r["no_reductions_ms"], 1e-6), 2)
     print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
     q = kv = idx = do = out = lse = fns = None
     torch.cuda.empty_cache()

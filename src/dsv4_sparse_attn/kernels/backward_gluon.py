@@ -50,8 +50,8 @@ from .backward import DqParts, sum_dq_parts
 from .common import cuda_properties
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON_VERSION, TensorDescriptor,
                      async_load, balanced_order, fake_group_base, hopper_rejects, load_ids, red_f32x4_fake,
-                     red_f32x4_lines, red_s32x2_lines, st_f32x4_fake, fresh, thread_barrier, tma_load,
-                     tma_store, tma_store_wait)
+                     red_f32x4_lines, red_f32x4_lines_grid, red_s32x2_lines, st_f32x4_fake, fresh,
+                     thread_barrier, tma_load, tma_store, tma_store_wait)
 
 NAME = "gluon_sm90"
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -992,7 +992,9 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
     (the follower of a head-block pair) added once to the leader's."""
     if RED:
         on_el = gl.full(acc.shape, 1, gl.int32, acc.type.layout) * on[:, None]
-        if RED >= 4:  # (ablation 64, timing only: two s32 words a 64-bit add; 5: unconverted)
+        if RED == 6:  # (ablation 256, timing only: fp32 lines of values rounded to a grid)
+            red_f32x4_lines_grid(fake_group_base(row_ptr, offs_d), acc, on_el)
+        elif RED >= 4:  # (ablation 64, timing only: two s32 words a 64-bit add; 5: unconverted)
             red_s32x2_lines(fake_group_base(row_ptr, offs_d), acc, on_el, RED == 4)
         elif RED >= 2:  # whole 128-byte lines per instruction
             red_f32x4_lines(fake_group_base(row_ptr, offs_d), acc, on_el, EVICT_LAST)
@@ -1357,7 +1359,9 @@ def flags_per_chunk(n_tok: int, n_hb: int) -> int:
 
 def _red(partial_rows: bool, lines, ablate: int) -> int:
     """``red_mode``, or in the fast mode with ``ablate`` 64 the packed-word prototype (4;
-    5 with 128: unconverted)."""
+    5 with 128: unconverted), with 256 the fp32 lines of values rounded to a grid (6)."""
+    if ablate & 256 and not partial_rows:
+        return 6
     if ablate & 64 and not partial_rows:
         return 5 if ablate & 128 else 4
     return red_mode(partial_rows, lines)
@@ -1409,7 +1413,9 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     4 (lse/Delta loads: 0) and 8 (dKV reductions predicated off); 64, the fast mode's
     reductions as two s32 words a 64-bit add (``hopper.red_s32x2_lines``: the cost of an
     exact sum, docs/performance/backward.md#open-leads; grad_kv is then s32 words), with 128
-    the fp32 bits sent unconverted (the conversion's cost apart)
+    the fp32 bits sent unconverted (the conversion's cost apart); 256, the fast mode's
+    reductions with each value rounded to a grid first (``hopper.red_f32x4_lines_grid``:
+    the cost of exact fp32 sums on a per-row grid)
     (benchmarks/experiments/tile_ablation_bench.py). ``trace`` (measurement only): an int64
     tensor of ``trace_shape(n_tok, H, device, paired)`` that takes each tile's timeline, the
     SM's cycle counter at the events of ``TRACE_EVENTS`` (benchmarks/experiments/tile_timeline.py;

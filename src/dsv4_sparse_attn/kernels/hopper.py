@@ -125,6 +125,23 @@ def _packed_reds(h: str, p: str, ba: str, w: list, convert: bool = True) -> list
     return out
 
 
+# Exact fp32 sums on a per-row grid (a timing prototype: docs/performance/backward.md#open-leads):
+# values that are all multiples of 2^e add exactly, in any order, while every partial sum
+# stays within 2^(e + 24); ``x + C - C`` with C = 1.5 * 2^(e + 24) rounds x (|x| <= 2^(e + 24))
+# to a multiple of 2^e (2^(e + 1) for the small ones), two full-rate adds a value. A real
+# design takes e from a bound on each row's sum of |terms|; the prototype's C is one constant.
+GRID_C = 24.0
+
+
+def _grid_reds(red: str, h: str, p: str, ba: str, w: list) -> list:
+    """``red`` (the fp32 line's reduction) after rounding the four values to GRID_C's grid."""
+    c = f"0f{struct.unpack('>I', struct.pack('>f', GRID_C))[0]:08X}"
+    out = []
+    for x in w:
+        out += [f"    add.rn.f32 {x}, {x}, {c};", f"    sub.rn.f32 {x}, {x}, {c};"]
+    return out + [f"    @{p} " + red.format(ba, ", ".join(w))]
+
+
 def _lines_half(h: str, k: int, reds) -> str:
     """One half: lanes l and l ^ 4 swap the base and the values of the row the other one
     adds, so each 16-byte reduction of the warp covers whole 128-byte lines. ``reds(h,
@@ -153,12 +170,14 @@ def _lines_half(h: str, k: int, reds) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _lines_ptx(evict_last: bool = False, packed: bool = False, convert: bool = True) -> str:
+def _lines_ptx(evict_last: bool = False, packed: bool = False, convert: bool = True,
+               grid: bool = False) -> str:
     """``evict_last``: each reduction carries an L2 evict-last cache policy (``createpolicy``
     once, then ``red...add.L2::cache_hint``, PTX 7.4+ / sm_80+): the accumulator's lines are
     the last the L2 evicts, which matters once the fp32 [N, D] rows outgrow it (T = 32768:
     84 MB). ``packed``: two s32 words a ``red.add.u64`` instead (``_packed_reds``, with
-    ``convert``)."""
+    ``convert``). ``grid``: the fp32 lines with each value rounded to a grid first
+    (``_grid_reds``)."""
     if evict_last:
         policy = "    .reg .b64 pol;\n    createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
         red = "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32 [{}], {{{}}}, pol;"
@@ -166,6 +185,8 @@ def _lines_ptx(evict_last: bool = False, packed: bool = False, convert: bool = T
         policy, red = "", "red.relaxed.gpu.global.add.v4.f32 [{}], {{{}}};"
     if packed:
         reds = functools.partial(_packed_reds, convert=convert)
+    elif grid:
+        reds = functools.partial(_grid_reds, red)
     else:
         def reds(h, p, ba, w):
             return [f"    @{p} " + red.format(ba, ", ".join(w))]
@@ -183,6 +204,7 @@ _LINES_PTX_SRC = _lines_ptx()
 _LINES_EVICT_LAST_PTX_SRC = _lines_ptx(evict_last=True)
 _LINES_PACKED_PTX_SRC = _lines_ptx(packed=True)
 _LINES_PACKED_RAW_PTX_SRC = _lines_ptx(packed=True, convert=False)
+_LINES_GRID_PTX_SRC = _lines_ptx(grid=True)
 _LINES_CONSTRAINTS_SRC = ("=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,"
                           "l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,"
                           "r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,"
@@ -201,6 +223,7 @@ if gl is not None:
     _LINES_PTX_EVICT_LAST = gl.constexpr(_LINES_EVICT_LAST_PTX_SRC)
     _LINES_PTX_PACKED = gl.constexpr(_LINES_PACKED_PTX_SRC)
     _LINES_PTX_PACKED_RAW = gl.constexpr(_LINES_PACKED_RAW_PTX_SRC)
+    _LINES_PTX_GRID = gl.constexpr(_LINES_GRID_PTX_SRC)
     _LINES_CONSTRAINTS = gl.constexpr(_LINES_CONSTRAINTS_SRC)
     # cp.async gather into shared memory (3.8+: async_load)
     async_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
@@ -347,6 +370,13 @@ if gl is not None:
             return gl.inline_asm_elementwise(_LINES_PTX_PACKED, _LINES_CONSTRAINTS, [group_base, acc, on],
                                              dtype=gl.int32, is_pure=False, pack=16)
         return gl.inline_asm_elementwise(_LINES_PTX_PACKED_RAW, _LINES_CONSTRAINTS, [group_base, acc, on],
+                                         dtype=gl.int32, is_pure=False, pack=16)
+
+    @gluon.jit
+    def red_f32x4_lines_grid(group_base, acc, on):
+        """``red_f32x4_lines`` with each value rounded to GRID_C's grid first
+        (``_grid_reds``): a timing prototype of exact fp32 sums on a per-row grid."""
+        return gl.inline_asm_elementwise(_LINES_PTX_GRID, _LINES_CONSTRAINTS, [group_base, acc, on],
                                          dtype=gl.int32, is_pure=False, pack=16)
 
 
