@@ -127,10 +127,13 @@ def load(path: str) -> dict:
     return doc
 
 
-def newest(results_dir: str = RESULTS_DIR, triton_version: str | None = None) -> list:
-    """The newest default-table and backward-sweep results in ``results_dir`` (complete runs
-    before partial ones, then the runs with the most rows: a run of a few shapes, such as
-    one made next to another Triton, does not replace a whole table; then, given
+def newest(results_dir: str = RESULTS_DIR, triton_version: str | None = None,
+           gpu: str | None = None) -> list:
+    """The newest default-table and backward-sweep results in ``results_dir`` (given ``gpu``,
+    the runs on a GPU whose name holds it first: the README's section is about one GPU, and
+    a run on another does not replace its tables; then complete runs before partial ones,
+    then the runs with the most rows: a run of a few shapes, such as one made next to
+    another Triton, does not replace a whole table; then, given
     ``triton_version``, the runs under that Triton (a whole table under a carried Triton
     does not replace the one under the GPU machine's own); then by timestamp; quick runs
     left out): a list of 0 to 2 documents."""
@@ -144,7 +147,9 @@ def newest(results_dir: str = RESULTS_DIR, triton_version: str | None = None) ->
         if doc["quick"]:
             continue
         same_triton = triton_version is None or doc["versions"]["triton"] == triton_version
-        key = (doc["complete"], len(doc["rows"]), same_triton, doc["timestamp"], os.path.basename(path))
+        same_gpu = not gpu or gpu.lower() in doc["gpu"]["name"].lower()
+        key = (same_gpu, doc["complete"], len(doc["rows"]), same_triton, doc["timestamp"],
+               os.path.basename(path))
         if doc["kind"] not in best or key > best[doc["kind"]][0]:
             best[doc["kind"]] = (key, doc)
     return [best[k][1] for k in ("table", "backward_sweep") if k in best]
@@ -421,6 +426,9 @@ def main(argv=None) -> int:
     ap.add_argument("--triton", default=None,
                     help="prefer the runs under this Triton version (default: the installed one, on the GPU "
                          "machine its own, not one carried there)")
+    ap.add_argument("--gpu", default="H200",
+                    help="prefer the runs on a GPU whose name holds this (default H200, the GPU the README's "
+                         "section names and the issues' targets are set on; '' for any)")
     ap.add_argument("--no-plot", action="store_true", help="tables only")
     ap.add_argument("--print-only", action="store_true", help="print the tables; write nothing")
     a = ap.parse_args(argv)
@@ -431,7 +439,7 @@ def main(argv=None) -> int:
             a.triton = triton.__version__
         except ImportError:
             pass
-    docs = [load(p) for p in a.json] if a.json else newest(a.results_dir, a.triton)
+    docs = [load(p) for p in a.json] if a.json else newest(a.results_dir, a.triton, a.gpu)
     if not docs:
         sys.exit(f"report.py: no results in {a.results_dir} "
                  "(run benchmarks/bench.py on a GPU, or name the files)")

@@ -122,6 +122,12 @@ def test_newest_files_are_picked(tmp_path):
     mine = json.load(open(TABLE))["versions"]["triton"]
     assert os.path.basename(report.newest(str(tmp_path))[0]["_path"]) == "g.json"
     assert os.path.basename(report.newest(str(tmp_path), mine)[0]["_path"]) == "b.json"
+    # a newer whole table on another GPU: picked only without a GPU preference
+    gpu = dict(json.load(open(TABLE))["gpu"], name="NVIDIA H100 80GB HBM3")
+    put("h.json", TABLE, timestamp="2026-12-08T00:00:00+00:00", gpu=gpu)
+    assert os.path.basename(report.newest(str(tmp_path), mine)[0]["_path"]) == "h.json"
+    assert os.path.basename(report.newest(str(tmp_path), mine, "H200")[0]["_path"]) == "b.json"
+    assert os.path.basename(report.newest(str(tmp_path), mine, "H100")[0]["_path"]) == "h.json"
 
 
 def test_command_line(readme, tmp_path):
