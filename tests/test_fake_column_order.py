@@ -208,6 +208,20 @@ def test_whole_line_reductions_put_every_value_at_its_fake_column():
     assert all(got[(r, c)] == want[c] and r not in masked for (r, c) in got)
 
 
+def _check_words(got, row_stride, masked, check):
+    """``got`` (4-byte word index -> value) holds one word for each unmasked row's 64 values,
+    at fake_col of its column, and none for a masked row; ``check(row, col, value)``."""
+    want = fake_col(torch.arange(64)).tolist()
+    assert len(got) == 64 * (64 - len(masked))
+    for row in range(64):
+        for col in range(64):
+            word = row * row_stride // 4 + want[col]
+            if row in masked:
+                assert word not in got
+            else:
+                check(row, col, got[word])
+
+
 def test_grid_rounded_reductions_put_every_value_at_its_fake_column():
     """``hopper.red_f32x4_lines_grid`` (a timing prototype: the fp32 lines with each value
     rounded to a grid by ``x + C - C``), replayed from its PTX: every value lands once at
@@ -236,17 +250,13 @@ def test_grid_rounded_reductions_put_every_value_at_its_fake_column():
                 for k, v in enumerate(values):
                     assert addr // 4 + k not in got, (lane, addr)
                     got[addr // 4 + k] = v
-    want = fake_col(torch.arange(64)).tolist()
-    assert len(got) == 64 * (64 - len(masked))
-    for row in range(64):
-        for col in range(64):
-            word = row * row_stride // 4 + want[col]
-            if row in masked:
-                assert word not in got
-                continue
-            v, xv = got[word], float(x[row, col])
-            near = 2 * step if abs(xv) >= 2 ** 23 * step else step  # (x + C past 2^(e + 25): coarser)
-            assert v / step == int(v / step) and abs(v - xv) <= near, (row, col, v, xv)
+
+    def check(row, col, v):
+        xv = float(x[row, col])
+        near = 2 * step if abs(xv) >= 2 ** 23 * step else step  # (x + C past 2^(e + 25): coarser)
+        assert v / step == int(v / step) and abs(v - xv) <= near, (row, col, v, xv)
+
+    _check_words(got, row_stride, masked, check)
 
 
 @pytest.mark.parametrize("convert", [True, False])
@@ -289,15 +299,11 @@ def test_packed_word_reductions_put_every_value_at_its_fake_column(convert):
         lo = _s32(w & 0xFFFFFFFF)
         hi = (w - lo) >> 32 if convert else w >> 32  # (unconverted: no sign fix-up to undo)
         got[addr // 4], got[addr // 4 + 1] = lo, _s32(hi & 0xFFFFFFFF)
-    want = fake_col(torch.arange(64)).tolist()
-    assert len(got) == 64 * (64 - len(masked))
-    for row in range(64):
-        for col in range(64):
-            word = row * row_stride // 4 + want[col]
-            if row in masked:
-                assert word not in got
-            else:
-                assert got[word] == value(row, col), (row, col, got.get(word), value(row, col))
+
+    def check(row, col, v):
+        assert v == value(row, col), (row, col, v, value(row, col))
+
+    _check_words(got, row_stride, masked, check)
 
 
 def _statements(ptx: str) -> list[str]:
