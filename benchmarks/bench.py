@@ -550,7 +550,14 @@ def main(argv=None):
         if a.backward_sweep:
             T, H, K, ids = r
             print(f"T={T} H={H} K={K} ids={ids}", flush=True)
-            row = sweep_row(T, H, K, ids, a.D, timing, peer, with_torch=not a.no_torch)
+            try:
+                row = sweep_row(T, H, K, ids, a.D, timing, peer, with_torch=not a.no_torch)
+            except torch.OutOfMemoryError as e:  # (T = 131072 at H = 128 needs more than 80 GB)
+                gib = torch.cuda.get_device_properties(0).total_memory / GIB
+                why = f"out of memory on this {gib:.0f} GiB GPU: {str(e).splitlines()[0][:120]}"
+                print(why, flush=True)
+                row = dict(T=T, H=H, K=K, D=a.D, ids=ids, fast={"error": why}, deterministic={"error": why},
+                           torch={"skipped": why})
         else:
             T, H, K, label, D, d_v = r
             print(f"{label}: T={T} H={H} K={K} D={D}" + (f" d_v={d_v}" if d_v else ""), flush=True)

@@ -100,6 +100,21 @@ def test_table_only_and_sweep_only(tmp_path):
         assert png.read_bytes().startswith(PNG_SIGNATURE)
 
 
+def test_sweep_row_that_did_not_fit(tmp_path):
+    """bench.py's sweep records a shape the GPU's memory cannot hold (its modes an error, no
+    PyTorch figure) and goes on: the document stays valid and the row reads "err"."""
+    sweep = copy.deepcopy(report.load(SWEEP))
+    why = "out of memory on this 79 GiB GPU: CUDA out of memory. Tried to allocate 16.00 GiB."
+    sweep["rows"].append(dict(T=131072, H=128, K=1152, D=512, ids="causal", fast={"error": why},
+                              deterministic={"error": why}, torch={"skipped": why}))
+    report.validate(sweep)
+    last = report.tables(sweep).splitlines()[-1]
+    assert last.startswith("| 131072 | 128 | 1152 | causal") and "| err | err | - |" in last, last
+    png = tmp_path / "f.png"
+    report.plot(str(png), None, sweep)
+    assert png.read_bytes().startswith(PNG_SIGNATURE)
+
+
 def test_newest_files_are_picked(tmp_path):
     def put(name, src, **changes):
         doc = json.load(open(src))
