@@ -8,7 +8,8 @@ docs/performance/backward.md#exact-integer-sums-measured: ``n_r * max C_t`` over
 entries, ``C_t = 2 H (max|dO_t| + scale max|q_t| (max||dO_t|| max||v|| + max|Delta_t|))``
 (the 2: rounding slack), with |P| <= 1. And exact fp32 sums: each piece rounded to a
 per-row grid ``2^(ceil(log2 U_r) - 22)`` (then fp32 adds are exact, in any order) from two
-tighter bounds, the slot's attention mass (``mass``) or S and dP (``tight``), in one fp32
+tighter bounds, the slot's attention mass (``mass``) or S and dP (``tight``; ``tight64``: a
+bound and a grid a 64-column piece of the row), in one fp32
 word (``f32grid``) or two (``f32grid2``: the residual on a finer grid), or in one s32 word on
 that bound's grid ``2^(ceil(log2 U_r) - 30)`` (``mass_s32``, ``tight_s32``), against the float64
 sum rounded to bf16 (``bf16_of_exact``): docs/performance/backward.md, "Exact fp32 sums on a
@@ -57,7 +58,13 @@ def pieces(q, kv, idx, sink, do, out, lse, scale):
     # |dP_thk - Delta_th| max|q_th|), the bound of every column of the piece.
     dsm = (dp - delta[..., None]).abs()
     tight = (p * (do.abs().amax(-1)[..., None] + scale * dsm * qmax[..., None])).sum(1)
-    return v, torch.where(valid, idx.long(), -1), bound_t, (mass, a_t, b_t, tight * valid)
+    # The same with the maxima over each 64-column piece (one bound a piece: [T, K, D / 64])
+    T, H, D = q.shape
+    do_p = do.abs().reshape(T, H, D // 64, 64).amax(-1)
+    q_p = q.abs().reshape(T, H, D // 64, 64).amax(-1)
+    tight64 = torch.einsum("thk,thp->tkp", p, do_p) + scale * torch.einsum("thk,thp->tkp", p * dsm, q_p)
+    return v, torch.where(valid, idx.long(), -1), bound_t, (mass, a_t, b_t, tight * valid,
+                                                            tight64 * valid[..., None])
 
 
 def main():
@@ -65,7 +72,7 @@ def main():
     D = 512
     q, kv, idx, sink, do, out, lse = inputs(T, H, K, D, dev="cpu")
     N = kv.shape[0]
-    v, ids, bound_t, (mass, a_t, b_t, tight) = pieces(q, kv, idx, sink, do, out, lse, D ** -0.5)
+    v, ids, bound_t, (mass, a_t, b_t, tight, tight64) = pieces(q, kv, idx, sink, do, out, lse, D ** -0.5)
     v32 = v.float().double()  # the kernel's fp32 piece
     flat_ids = ids.reshape(-1)
     keep = flat_ids >= 0
@@ -139,6 +146,21 @@ def main():
         acc32 = torch.zeros(N, D, dtype=torch.int64).index_add_(0, rows, i32)
         assert bool((acc32.abs() < 2**31).all())
         report(name + "_s32", acc32.double() * g32[:, None])
+    # One fp32 word on a grid a (row, 64-column piece) from the tight bound's per-piece form
+    # (the two-launch design of docs/performance/backward.md#the-grid-rounding-in-the-fast-kernel-measured
+    # could sum it as it sums the row's: D / 64 bounds a slot)
+    u_p = torch.zeros(N, D // 64, dtype=torch.float64).index_add_(
+        0, rows, 2 * tight64.reshape(-1, D // 64)[keep])
+    u_col = u_p.repeat_interleave(64, dim=1)
+    assert bool((mag[used] <= u_col[used]).all()), "the per-piece bound does not hold"
+    res["tight64_bound_looseness_log2_median"] = round(
+        (u_col[used] / mag[used].clamp_min(1e-300)).log2().median().item(), 1)
+    grid = torch.exp2(torch.ceil(torch.log2(u_col.clamp_min(1e-300))) - 22)
+    rounded = (torch.round(vals / grid[rows]) * grid[rows]).float()
+    one = torch.zeros(N, D, dtype=torch.float32).index_add_(0, rows, rounded)
+    two = torch.zeros(N, D, dtype=torch.float32).index_add_(0, rows[perm], rounded[perm])
+    res["tight64_f32grid_orders_bitwise_equal"] = bool(torch.equal(one, two))
+    report("tight64_f32grid", one.double())
     # what the output dtype costs anyway: the float64 sum rounded to bf16
     report("bf16_of_exact", exact.bfloat16().double())
     print(json.dumps(res))
