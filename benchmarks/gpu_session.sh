@@ -25,7 +25,8 @@
 #                                          # instead: TRITON_NEXT_BENCH=script.py, after
 #                                          # the GPU tests TRITON_NEXT_TESTS=-k expression)
 # bench and sweep write benchmarks/results/*.json; report.py then rewrites README.md's
-# performance section and docs/performance/bench.png. All three come back under $OUT
+# performance section and docs/performance/bench.png (from the H200's newest runs first:
+# on another GPU the README keeps them; report.py --gpu). All three come back under $OUT
 # (results/, README.md, bench.png): copy them into the checkout and commit them. The device tool
 # returns at most eight files a call: run bench and sweep in separate calls (together they write
 # nine, and the results JSON is what gets left out).
