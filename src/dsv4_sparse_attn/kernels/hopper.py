@@ -90,6 +90,11 @@ def _lines_half_decls(h: str, packed: bool = False) -> str:
 PACKED_SCALE = 2.0 ** 20
 
 
+def _f32_imm(x: float) -> str:
+    """``x`` as a PTX f32 immediate (``0f`` and its eight hex digits)."""
+    return f"0f{struct.unpack('>I', struct.pack('>f', x))[0]:08X}"
+
+
 def _packed_reds(h: str, p: str, ba: str, w: list, convert: bool = True) -> list:
     """The reductions of one row's line as two s32 words a ``red.add.u64`` (see above).
     ``convert`` False: the fp32 bits themselves as the words (no scaling, rounding or sign
@@ -97,8 +102,7 @@ def _packed_reds(h: str, p: str, ba: str, w: list, convert: bool = True) -> list
     if not convert:
         out = [f"    mov.b64 d{h}0, {{{w[0]}, {w[1]}}};", f"    mov.b64 d{h}1, {{{w[2]}, {w[3]}}};"]
     else:
-        scale = f"0f{struct.unpack('>I', struct.pack('>f', PACKED_SCALE))[0]:08X}"
-        out = [f"    mul.rn.f32 i{h}{i}, {w[i]}, {scale};" for i in range(4)]
+        out = [f"    mul.rn.f32 i{h}{i}, {w[i]}, {_f32_imm(PACKED_SCALE)};" for i in range(4)]
         out += [f"    cvt.rni.s32.f32 i{h}{i}, i{h}{i};" for i in range(4)]
         for d, (a, b) in enumerate(((0, 1), (2, 3))):  # hi word less one where the low one is negative
             out += [f"    shr.s32 s{h}, i{h}{a}, 31;",
@@ -135,7 +139,7 @@ GRID_C = 24.0
 
 def _grid_reds(red: str, h: str, p: str, ba: str, w: list) -> list:
     """``red`` (the fp32 line's reduction) after rounding the four values to GRID_C's grid."""
-    c = f"0f{struct.unpack('>I', struct.pack('>f', GRID_C))[0]:08X}"
+    c = _f32_imm(GRID_C)
     out = []
     for x in w:
         out += [f"    add.rn.f32 {x}, {x}, {c};", f"    sub.rn.f32 {x}, {x}, {c};"]
@@ -336,6 +340,12 @@ if gl is not None:
                                          is_pure=False, pack=8)
 
     @gluon.jit
+    def _lines_asm(group_base, acc, on, PTX: gl.constexpr):
+        """One of the whole-line forms (``_lines_ptx``: the operands of ``red_f32x4_lines``)."""
+        return gl.inline_asm_elementwise(PTX, _LINES_CONSTRAINTS, [group_base, acc, on], dtype=gl.int32,
+                                         is_pure=False, pack=16)
+
+    @gluon.jit
     def red_f32x4_lines(group_base, acc, on, EVICT_LAST: gl.constexpr = False):
         """``red_f32x4_fake`` with whole 128-byte lines: the same sums into the same
         fake-ordered rows, but each reduction instruction of a warp adds 4 rows x 128 bytes
@@ -354,10 +364,8 @@ if gl is not None:
         option for accumulators larger than L2; see ``_LINES_PTX_EVICT_LAST``).
         """
         if EVICT_LAST:
-            return gl.inline_asm_elementwise(_LINES_PTX_EVICT_LAST, _LINES_CONSTRAINTS, [group_base, acc, on],
-                                             dtype=gl.int32, is_pure=False, pack=16)
-        return gl.inline_asm_elementwise(_LINES_PTX, _LINES_CONSTRAINTS, [group_base, acc, on],
-                                         dtype=gl.int32, is_pure=False, pack=16)
+            return _lines_asm(group_base, acc, on, _LINES_PTX_EVICT_LAST)
+        return _lines_asm(group_base, acc, on, _LINES_PTX)
 
     @gluon.jit
     def red_s32x2_lines(group_base, acc, on, CONVERT: gl.constexpr = True):
@@ -367,17 +375,14 @@ if gl is not None:
         ``CONVERT`` False: the fp32 bits as the words (the same reductions without the
         conversion's instructions, to tell their cost apart)."""
         if CONVERT:
-            return gl.inline_asm_elementwise(_LINES_PTX_PACKED, _LINES_CONSTRAINTS, [group_base, acc, on],
-                                             dtype=gl.int32, is_pure=False, pack=16)
-        return gl.inline_asm_elementwise(_LINES_PTX_PACKED_RAW, _LINES_CONSTRAINTS, [group_base, acc, on],
-                                         dtype=gl.int32, is_pure=False, pack=16)
+            return _lines_asm(group_base, acc, on, _LINES_PTX_PACKED)
+        return _lines_asm(group_base, acc, on, _LINES_PTX_PACKED_RAW)
 
     @gluon.jit
     def red_f32x4_lines_grid(group_base, acc, on):
         """``red_f32x4_lines`` with each value rounded to GRID_C's grid first
         (``_grid_reds``): a timing prototype of exact fp32 sums on a per-row grid."""
-        return gl.inline_asm_elementwise(_LINES_PTX_GRID, _LINES_CONSTRAINTS, [group_base, acc, on],
-                                         dtype=gl.int32, is_pure=False, pack=16)
+        return _lines_asm(group_base, acc, on, _LINES_PTX_GRID)
 
 
 def balanced_order(topk_length: torch.Tensor, chunk: int, programs: int, n_hb: int) -> torch.Tensor:
