@@ -36,9 +36,7 @@ import torch
 
 import dsv4_sparse_attn  # noqa: F401
 import triton
-from dsv4_sparse_attn.kernels import backward as kbwd
-from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import env_shapes, inputs, peer_bwd, time_arms  # (this directory)
+from side_by_side import env_shapes, gluon_backward, inputs, peer_bwd, time_arms  # (this directory)
 from side_by_side import cudnn_peer as load_peer
 
 D = 512
@@ -49,10 +47,7 @@ for T, H, K in shapes:
     q, kv, idx, sink, do, out, lse = inputs(T, H, K, D)
     scale = D ** -0.5
     r = dict(T=T, H=H, K=K, triton=triton.__version__)
-
-    def run(det, **kw):
-        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon,
-                                   deterministic=det, **kw)
+    run = gluon_backward(q, kv, idx, sink, do, out, lse, scale)
 
     fns = {"fast": lambda: run(False), "packed": lambda: run(False, ablate=64),
            "packed_raw": lambda: run(False, ablate=64 | 128),
@@ -69,5 +64,5 @@ for T, H, K in shapes:
         r["packed_share_over_fast_share"] = round((r["packed_ms"] - r["no_reductions_ms"])
                                                   / max(r["fast_ms"] - r["no_reductions_ms"], 1e-6), 2)
     print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
-    q = kv = idx = do = out = lse = fns = None
+    q = kv = idx = do = out = lse = fns = run = None  # (run holds the tensors too)
     torch.cuda.empty_cache()

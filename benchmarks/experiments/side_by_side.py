@@ -35,6 +35,19 @@ def inputs(T, H, K, D=512, d_v=None, seed=None, dev="cuda"):
     return q, kv, idx, sink, do, out, lse
 
 
+def gluon_backward(q, kv, idx, sink, do, out, lse, scale):
+    """``run(det, **kw)``: the backward on these tensors (no grad_lse) with the Gluon main
+    kernel, ``kernels.backward.sparse_mla_bwd(..., main=backward_gluon, deterministic=det)``,
+    ``kw`` going on to ``backward_gluon.launch``."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
+    from dsv4_sparse_attn.kernels import backward_gluon
+
+    def run(det, **kw):
+        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon,
+                                   deterministic=det, **kw)
+    return run
+
+
 def env_shapes(default):
     """(T, H, K) triples from the environment's SHAPES ("T,H,K;T,H,K", to run fewer in a short
     call), else ``default``."""

@@ -48,9 +48,8 @@ import torch
 
 import dsv4_sparse_attn  # noqa: F401
 import triton
-from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import env_shapes, inputs, peer_bwd, relerr, time_arms  # (this directory)
+from side_by_side import env_shapes, gluon_backward, inputs, peer_bwd, relerr, time_arms  # (this directory)
 from side_by_side import cudnn_peer as load_peer
 
 D = 512
@@ -65,10 +64,7 @@ for T, H, K in shapes:
     q, kv, idx, sink, do, out, lse = inputs(T, H, K, D)
     scale = D ** -0.5
     r = dict(T=T, H=H, K=K, triton=triton.__version__)
-
-    def run(det, **kw):
-        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale, main=backward_gluon,
-                                   deterministic=det, **kw)
+    run = gluon_backward(q, kv, idx, sink, do, out, lse, scale)
 
     fast = {"fast": {}, "dqtma": dict(dq_tma=1), "split1": dict(split=1),
             "split1_dq": dict(split=1, dq_tma=1)}
@@ -105,5 +101,5 @@ for T, H, K in shapes:
     fns.update({name: (lambda kw=kw: run(True, **kw)) for name, kw in det.items()})
     time_arms(r, fns, 10 * T * H * K * D, peer_bwd(cudnn_peer, r, q, kv, idx, sink, scale, out, lse, do))
     print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
-    q = kv = idx = do = out = lse = fns = None
+    q = kv = idx = do = out = lse = fns = run = None  # (run holds the tensors too)
     torch.cuda.empty_cache()
