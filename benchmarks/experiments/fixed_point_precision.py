@@ -116,16 +116,21 @@ def main():
     # sum of rounded pieces stays within 2^24 g_r: fp32 adds are then exact, and any order
     # (the fast mode's 16-byte reductions) gives the same bits.
     vnorm = kv.double().norm(dim=-1)
+    # (w: a slot's bound, [T, K], or one a 64-column piece, [T, K, D / 64] (``tight64``: the
+    # two-launch design of docs/performance/backward.md#the-grid-rounding-in-the-fast-kernel-measured
+    # could sum it as it sums the row's); u and the grids below are per element, [N, D])
     for name, w in (("mass", 2 * mass * (a_t[:, None] + b_t[:, None] * vnorm[ids.clamp_min(0)])),
-                    ("tight", 2 * tight)):
-        u_m = torch.zeros(N, dtype=torch.float64).index_add_(0, rows, w.reshape(-1)[keep])
-        assert bool((mag[used] <= u_m[used, None]).all()), f"the {name} bound does not hold"
-        loose_m = (u_m[used] / mag[used].amax(1).clamp_min(1e-300)).log2()
+                    ("tight", 2 * tight), ("tight64", 2 * tight64)):
+        w = w.reshape(T * K, -1)[keep]
+        u = torch.zeros(N, w.shape[1], dtype=torch.float64).index_add_(0, rows, w)
+        u = u.repeat_interleave(D // w.shape[1], dim=1)
+        assert bool((mag[used] <= u[used]).all()), f"the {name} bound does not hold"
+        loose_m = (u[used].amax(1) / mag[used].amax(1).clamp_min(1e-300)).log2()
         res[name + "_bound_looseness_log2_median"] = round(loose_m.median().item(), 1)
         res[name + "_bound_looseness_log2_max"] = round(loose_m.max().item(), 1)
-        grid = torch.exp2(torch.ceil(torch.log2(u_m.clamp_min(1e-300))) - 22)
-        rounded = (torch.round(vals / grid[rows, None]) * grid[rows, None]).float()
-        assert bool((rounded.double() == torch.round(vals / grid[rows, None]) * grid[rows, None]).all())
+        grid = torch.exp2(torch.ceil(torch.log2(u.clamp_min(1e-300))) - 22)
+        rounded = (torch.round(vals / grid[rows]) * grid[rows]).float()
+        assert bool((rounded.double() == torch.round(vals / grid[rows]) * grid[rows]).all())
         one = torch.zeros(N, D, dtype=torch.float32).index_add_(0, rows, rounded)
         two = torch.zeros(N, D, dtype=torch.float32).index_add_(0, rows[perm], rounded[perm])
         res[name + "_f32grid_orders_bitwise_equal"] = bool(torch.equal(one, two))
@@ -133,34 +138,19 @@ def main():
         # two fp32 words a value: the residual of the rounding (exact in fp32) on a finer
         # grid from its own bound, n_r g_r / 2 (with the same factor 2 of slack)
         resid = (vals - rounded.double()).float()
-        g_lo = torch.exp2(torch.ceil(torch.log2((n_r * grid).clamp_min(1e-300))) - 22)
-        lo = (torch.round(resid.double() / g_lo[rows, None]) * g_lo[rows, None]).float()
+        g_lo = torch.exp2(torch.ceil(torch.log2((n_r[:, None] * grid).clamp_min(1e-300))) - 22)
+        lo = (torch.round(resid.double() / g_lo[rows]) * g_lo[rows]).float()
         lo_sum = torch.zeros(N, D, dtype=torch.float32).index_add_(0, rows[perm], lo[perm])
         lo_one = torch.zeros(N, D, dtype=torch.float32).index_add_(0, rows, lo)
         res[name + "_f32grid2_orders_bitwise_equal"] = bool(torch.equal(lo_sum, lo_one))
         report(name + "_f32grid2", one.double() + lo_one.double())
         # one s32 word a value on this bound's grid: 2^(ceil(log2 U_r) - 30), every partial
         # sum within 2^31 (wrapping adds: any order, the same bits)
-        g32 = torch.exp2(torch.ceil(torch.log2(u_m.clamp_min(1e-300))) - 30)
-        i32 = torch.round(vals / g32[rows, None]).to(torch.int64)
+        g32 = torch.exp2(torch.ceil(torch.log2(u.clamp_min(1e-300))) - 30)
+        i32 = torch.round(vals / g32[rows]).to(torch.int64)
         acc32 = torch.zeros(N, D, dtype=torch.int64).index_add_(0, rows, i32)
         assert bool((acc32.abs() < 2**31).all())
-        report(name + "_s32", acc32.double() * g32[:, None])
-    # One fp32 word on a grid a (row, 64-column piece) from the tight bound's per-piece form
-    # (the two-launch design of docs/performance/backward.md#the-grid-rounding-in-the-fast-kernel-measured
-    # could sum it as it sums the row's: D / 64 bounds a slot)
-    u_p = torch.zeros(N, D // 64, dtype=torch.float64).index_add_(
-        0, rows, 2 * tight64.reshape(-1, D // 64)[keep])
-    u_col = u_p.repeat_interleave(64, dim=1)
-    assert bool((mag[used] <= u_col[used]).all()), "the per-piece bound does not hold"
-    res["tight64_bound_looseness_log2_median"] = round(
-        (u_col[used] / mag[used].clamp_min(1e-300)).log2().median().item(), 1)
-    grid = torch.exp2(torch.ceil(torch.log2(u_col.clamp_min(1e-300))) - 22)
-    rounded = (torch.round(vals / grid[rows]) * grid[rows]).float()
-    one = torch.zeros(N, D, dtype=torch.float32).index_add_(0, rows, rounded)
-    two = torch.zeros(N, D, dtype=torch.float32).index_add_(0, rows[perm], rounded[perm])
-    res["tight64_f32grid_orders_bitwise_equal"] = bool(torch.equal(one, two))
-    report("tight64_f32grid", one.double())
+        report(name + "_s32", acc32.double() * g32)
     # what the output dtype costs anyway: the float64 sum rounded to bf16
     report("bf16_of_exact", exact.bfloat16().double())
     print(json.dumps(res))
