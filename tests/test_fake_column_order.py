@@ -68,6 +68,13 @@ def _lines_asm(src: str | None = None) -> list[str]:
     return [s for s in stmts if s and not s.startswith(".reg") and not re.match(r"mov\.b32 \$\d+, 0", s)]
 
 
+def _f32(v):
+    """A register as an f32 value: a Python float as is, an int (a 32-bit word) by its bits."""
+    import struct
+
+    return struct.unpack("<f", struct.pack("<I", v))[0] if isinstance(v, int) else v
+
+
 def _s32(v):
     """A 32-bit word (held as 0 .. 2^32 - 1) as a signed integer."""
     return v - (1 << 32) if v >= 1 << 31 else v
@@ -163,8 +170,14 @@ def _run_ptx(stmts, regs):
             elif op == "mul.rn.f32":  # (the values are Python floats here: exact in the test)
                 r[a[0]] = val(lane, a[1]) * val(lane, a[2])
             elif op in ("add.rn.f32", "sub.rn.f32"):  # (Python floats: the sum of two f32 is exact,
-                b = val(lane, a[2]) * (1 if op == "add.rn.f32" else -1)  # then rounded to f32)
-                r[a[0]] = struct.unpack("f", struct.pack("f", val(lane, a[1]) + b))[0]
+                b = _f32(val(lane, a[2])) * (1 if op == "add.rn.f32" else -1)  # then rounded to f32)
+                r[a[0]] = struct.unpack("f", struct.pack("f", _f32(val(lane, a[1])) + b))[0]
+            elif op == "shr.b32":
+                r[a[0]] = val(lane, a[1]) >> val(lane, a[2])
+            elif op == "shl.b32":
+                r[a[0]] = (val(lane, a[1]) << val(lane, a[2])) & 0xFFFFFFFF
+            elif op == "or.b32":
+                r[a[0]] = val(lane, a[1]) | val(lane, a[2])
             elif op == "cvt.rni.s32.f32":
                 r[a[0]] = round(val(lane, a[1])) & 0xFFFFFFFF
             elif op == "shr.s32":
@@ -257,6 +270,51 @@ def test_grid_rounded_reductions_put_every_value_at_its_fake_column():
         assert v / step == int(v / step) and abs(v - xv) <= near, (row, col, v, xv)
 
     _check_words(got, row_stride, masked, check)
+
+
+def test_exact_two_word_reductions_put_both_words_at_their_fake_columns():
+    """``hopper.red_f32x4_lines_exact`` (the deterministic mode's exact sums), replayed from
+    its PTX: each value's hi word lands once at fake_col of its column in its own row and its
+    lo word 512 columns on, both the words of ``exact_sums.split_words`` on the grids of the
+    row's code (rows with different codes, values from far below the lo grid to the bound
+    of the hi one, negative ones); rows whose code is 0 get nothing."""
+    from dsv4_sparse_attn.kernels import exact_sums, hopper
+
+    if hopper.gluon_unavailable():
+        pytest.skip(f"no Gluon in this Triton: {hopper.gluon_unavailable()}")
+    stmts = _lines_asm(hopper._LINES_EXACT_PTX_SRC)
+    row_stride = 1 << 13  # bytes: rows of 2 x 512 fp32 (hi words, then lo words)
+    masked = {5, 17, 40}
+    gen = torch.Generator().manual_seed(0)
+    e_hi = torch.randint(-20, 20, (64,), generator=gen)
+    e_lo = e_hi - 24 + torch.randint(1, 12, (64,), generator=gen)
+    codes = exact_sums.CODE_VALID | ((e_hi + 127) << 8) | (e_lo + 127)
+    codes[list(masked)] = 0
+    c_hi, c_lo = exact_sums.grids(codes)
+    mags = torch.exp2(e_hi[:, None] - 1 - torch.empty(64, 64).uniform_(0, 60, generator=gen))
+    signs = torch.where(torch.rand(64, 64, generator=gen) < 0.5, -1.0, 1.0)
+    x = (mags * signs).float()
+    want_hi, want_lo = exact_sums.split_words(x, c_hi[:, None], c_lo[:, None])
+    got = {}
+    for regs in _lines_instances(row_stride, set(), lambda row, col: float(x[row, col])):
+        for r in regs:  # the flags: each row's code
+            for i in range(16):
+                r[f"${48 + i}"] = int(codes[(r[f"${16 + i}"]) // row_stride])
+        for instr in _run_ptx(stmts, regs):
+            for lane, addr, values in instr:
+                for k, v in enumerate(values):
+                    assert addr // 4 + k not in got, (lane, addr)
+                    got[addr // 4 + k] = v
+    want = fake_col(torch.arange(64)).tolist()
+    assert len(got) == 2 * 64 * (64 - len(masked))
+    for row in range(64):
+        for col in range(64):
+            word = row * row_stride // 4 + want[col]
+            if row in masked:
+                assert word not in got and word + 512 not in got
+                continue
+            assert got[word] == float(want_hi[row, col]), (row, col)
+            assert got[word + 512] == float(want_lo[row, col]), (row, col)
 
 
 @pytest.mark.parametrize("convert", [True, False])

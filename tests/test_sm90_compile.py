@@ -271,6 +271,22 @@ def test_gluon_backward_grid_rounding_prototype_compiles_for_sm90():
                for lp, b in zip(r["mma_loops"], base["mma_loops"])), (r["mma_loops"], base["mma_loops"])
 
 
+@pytest.mark.parametrize("hp, trans", [(64, False), (16, True)], ids=["h64", "h16-transposed"])
+def test_gluon_backward_exact_sums_option_compiles_for_sm90(hp, trans):
+    """The deterministic mode's exact two-word sums (``launch(exact_codes=...)``, a
+    measurement option: ``hopper.red_f32x4_lines_exact``) in the fast mode's build: no
+    serialisation, no more reloads than it, twice its 16-byte reductions (hi and lo words)
+    and five adds a reduced value (ptxas must not fold x + C - C)."""
+    kw = dict(red=True, split=2, dq_tma=True, hp=hp, trans=trans)
+    r = compile_backward_gluon(exact=True, **kw)
+    base = compile_backward_gluon(**kw)
+    assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
+    assert len(r["mma_loops"]) == 2, r["mma_loops"]
+    for lp, b in zip(r["mma_loops"], base["mma_loops"]):
+        assert lp["LDL"] <= b["LDL"] and lp["REDG4"] == 2 * b["REDG4"], (lp, b)
+        assert lp["FADD"] >= b["FADD"] + 5 * 4 * b["REDG4"], (lp, b)
+
+
 def test_gluon_backward_evict_last_option_compiles_for_sm90():
     """The fast mode with the L2 evict-last policy on its reductions (an A/B option,
     ``launch(evict_last=True)``): the same budget as without it, and the policy in the PTX."""

@@ -4,7 +4,7 @@
 1. ``_bwd_delta_kernel``: Delta = rowsum(O * dO) - dLSE, fp32 [T, H].
 2. The main kernel, handed in by the dispatcher (``backward_gluon`` on Hopper at D = 512,
    ``backward_triton`` elsewhere): S, P, dP, dS, grad_q, and each block's dKV rows, which
-   go to
+   go to (a measurement option besides: ``exact_sums``' two-word sums in one launch)
    - deterministic: per-(token, head block, slot) fp32 partial rows for a chunk of
      tokens, then ``_dkv_reduce_kernel`` sums, for every kv row, its entries in a fixed
      (sorted) order into an fp32 [N, D] accumulator: bitwise reproducible, whatever the
@@ -32,7 +32,16 @@ import torch
 import triton
 import triton.language as tl
 
+from . import exact_sums
 from .common import LOG2E, cuda_properties, last_dim_contiguous, next_pow2
+
+# The deterministic mode's grad_kv sums where the main kernel has them: exact two-word sums
+# on per-row grids in one launch (exact_sums; True), or per-slot partial rows folded in a
+# sorted order (False). Off: 2.1-2.3x the fast mode's time on an H100, and the rows' bound is
+# too loose for heavily shared rows (a kv row selected by thousands of slots loses most of
+# its bits), so the exact sums are a measurement option (``exact=True``)
+# (docs/performance/backward.md#exact-two-word-sums-measured-off).
+EXACT_SUMS = False
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
 # of the backward is this plus O(T*H + N*D) fp32): under the 1 GiB the backward may
@@ -328,10 +337,11 @@ def _run_start(KEYS, SEG, e, n_valid):
 
 @triton.jit
 def _acc_rows_to_kv(ACC, OUT, N, rb, cb, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                    FAKE_ORDER: tl.constexpr):
+                    FAKE_ORDER: tl.constexpr, TWO_WORDS: tl.constexpr = False):
     """grad_kv[n, c] = acc[n, c'] in kv's dtype for rows block ``rb``, columns block ``cb``;
     c' = c or, for the fake-ordered accumulator, hopper.fake_col(c) (a permutation within
-    each 16-column group). BLOCK_C: a multiple of 16 dividing D."""
+    each 16-column group). BLOCK_C: a multiple of 16 dividing D. ``TWO_WORDS``: rows of
+    2 D, the value acc[n, c'] + acc[n, D + c'] (exact_sums' hi and lo words)."""
     rows = rb.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     if FAKE_ORDER:
@@ -339,7 +349,11 @@ def _acc_rows_to_kv(ACC, OUT, N, rb, cb, D: tl.constexpr, BLOCK_N: tl.constexpr,
     else:
         src = c
     m = (rows < N)[:, None]
-    x = tl.load(ACC + rows[:, None] * D + src[None, :], mask=m, other=0.0)
+    if TWO_WORDS:
+        ptr = ACC + rows[:, None] * (2 * D) + src[None, :]
+        x = tl.load(ptr, mask=m, other=0.0) + tl.load(ptr + D, mask=m, other=0.0)
+    else:
+        x = tl.load(ACC + rows[:, None] * D + src[None, :], mask=m, other=0.0)
     tl.store(OUT + rows[:, None] * D + c[None, :], x.to(OUT.dtype.element_ty), mask=m)
 
 
@@ -436,7 +450,7 @@ def _epilogue_kernel(ACC, GRAD_KV, N, n_conv, SINK, LSE, DELTA, PART, GRAD_SINK,
                      D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                      FAKE_ORDER: tl.constexpr, HAS_SINK: tl.constexpr, SEG_T: tl.constexpr,
                      BLOCK_H: tl.constexpr, SUM_SEG: tl.constexpr, SUM_H: tl.constexpr, HAS_DQ: tl.constexpr,
-                     DQ_BH: tl.constexpr):
+                     DQ_BH: tl.constexpr, TWO_WORDS: tl.constexpr = False):
     """The backward's last launch. Programs [0, n_conv): the accumulator to grad_kv, a
     [BLOCK_N, BLOCK_C] tile each. Then (with a sink) one (segment, head block) of grad_sink's
     parts each; the last of them to finish (a ticket: TICKET, int32, zero before the
@@ -450,7 +464,7 @@ def _epilogue_kernel(ACC, GRAD_KV, N, n_conv, SINK, LSE, DELTA, PART, GRAD_SINK,
     n_sink = n_seg * n_hb
     if pid < n_conv:
         n_cb: tl.constexpr = D // BLOCK_C
-        _acc_rows_to_kv(ACC, GRAD_KV, N, pid // n_cb, pid % n_cb, D, BLOCK_N, BLOCK_C, FAKE_ORDER)
+        _acc_rows_to_kv(ACC, GRAD_KV, N, pid // n_cb, pid % n_cb, D, BLOCK_N, BLOCK_C, FAKE_ORDER, TWO_WORDS)
     elif pid < n_conv + n_sink:
         if HAS_SINK:
             s = pid - n_conv
@@ -520,13 +534,26 @@ def chunk_tokens(T: int, n_hb: int, K: int, D: int, budget: int, n_sm: int = 0) 
     return chunk
 
 
+def exact_sums_apply(main, q: torch.Tensor, grad_out: torch.Tensor, exact: bool | None = None) -> bool:
+    """Whether the deterministic mode takes the exact two-word sums (``exact_sums``) with main
+    kernel ``main`` rather than the partial rows and their sorted fold: ``exact`` if given,
+    else ``EXACT_SUMS`` where the main kernel has them for this width."""
+    able = getattr(main, "EXACT_SUMS", False) and main.exact_sums_ok(q.shape[-1], grad_out.shape[-1])
+    if exact and not able:
+        raise ValueError(f"exact sums: the {main.NAME} main kernel has none at D = {q.shape[-1]}, "
+                         f"d_v = {grad_out.shape[-1]}")
+    return able and (EXACT_SUMS if exact is None else bool(exact))
+
+
 def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scale, main,
                    deterministic: bool = True, grad_q: torch.Tensor | None = None,
-                   topk_length: torch.Tensor | None = None, **main_options):
+                   topk_length: torch.Tensor | None = None, exact: bool | None = None, **main_options):
     """The backward with main kernel ``main`` (the module ``backward_gluon`` or
     ``backward_triton``; the caller checked its ``rejects``). Returns grad_q [T,H,D],
     grad_kv [N,D] in kv's dtype, grad_sink ([H] fp32, or empty without sink). CPU tensors
-    run under the Triton interpreter (tests only); ``main_options`` go to ``main.launch``."""
+    run under the Triton interpreter (tests only); ``main_options`` go to ``main.launch``.
+    ``exact`` (deterministic mode): the exact two-word sums (True) or the partial rows and
+    their fold (False); None: ``exact_sums_apply``'s default."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     q, kv, indices = last_dim_contiguous(q), last_dim_contiguous(kv), last_dim_contiguous(indices)
@@ -535,7 +562,9 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     dev = q.device
     n_hb = triton.cdiv(H, main.tile_heads(D, H))
     k_stride = main.partial_slots(K)
-    paired = main.pairs_head_blocks(n_hb, deterministic)
+    exact = deterministic and exact_sums_apply(main, q, grad_out, exact)
+    one_launch = not deterministic or exact  # (the whole of T in one main launch, no partial rows)
+    paired = main.pairs_head_blocks(n_hb, deterministic and not exact)
     n_part = n_hb // 2 if paired else n_hb
 
     if grad_q is None:  # tests pass a poisoned buffer to catch unwritten elements
@@ -543,8 +572,9 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     # the epilogue's ticket and the fast mode's main-kernel counters, zeros with the
     # accumulator (one memset); the counters 16 bytes after the ticket, aligned as the
     # kernels are specialised for
-    n_main_flags = main.flags_per_chunk(T, n_hb) if T > 0 and not deterministic else 0
-    acc, counters = zeroed_accumulator(N, D, 4 + n_main_flags, dev)
+    n_main_flags = main.flags_per_chunk(T, n_hb) if T > 0 and one_launch else 0
+    # (exact sums: each row's hi words, then its lo words)
+    acc, counters = zeroed_accumulator(N, 2 * D if exact else D, 4 + n_main_flags, dev)
     delta = torch.empty((T, H), dtype=torch.float32, device=dev)
     d_v = grad_out.shape[-1]  # Delta runs over the value columns
     if T > 0:
@@ -573,8 +603,11 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         main.launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, p_begin, n_tok, scale,
                     scale * LOG2E, paired, **opts)
 
-    dq_jobs = []  # the fast mode's remainder dQ parts, summed by the epilogue
-    if T > 0 and not deterministic:
+    dq_jobs = []  # the one-launch modes' remainder dQ parts, summed by the epilogue
+    if T > 0 and one_launch:
+        if exact:  # each kv row's grids, from a bound on its sum (exact_sums)
+            codes = exact_sums.row_codes(q, kv, indices, grad_out, delta, scale, topk_length)
+            main_options = dict(main_options, exact_codes=codes)
         if topk_length is not None and hasattr(main, "schedule"):
             orders = main.schedule(topk_length, T, H, paired, tokens)
         if getattr(main, "DEFERS_DQ_PARTS", False):
@@ -635,7 +668,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                 )
 
     grad_kv, grad_sink = epilogue(acc, kv.dtype, main.ACC_FAKE_ORDER, attn_sink, lse, delta, counters[:1],
-                                  dq_jobs[0] if dq_jobs else None)
+                                  dq_jobs[0] if dq_jobs else None, two_words=exact)
     return grad_q, grad_kv, grad_sink
 
 
@@ -663,13 +696,15 @@ def zeroed_accumulator(N: int, D: int, n_flags: int, device) -> tuple[torch.Tens
 
 
 def epilogue(acc, kv_dtype, fake_order: bool, attn_sink, lse, delta, ticket,
-             dq_parts: DqParts | None = None):
+             dq_parts: DqParts | None = None, two_words: bool = False):
     """grad_kv (``acc`` [N, D] fp32 in kv's dtype, undoing the fake column order) and
     grad_sink ([H] fp32 = -sum_t exp(sink - lse) * Delta by segments of ``SINK_SEG_T`` rows,
     then their sum in segment order: the same bits for a given T; empty without a sink), in
     one launch, with ``dq_parts`` summed into their grad_q rows. ``ticket``: an int32 zero
-    the launch counts its sink programs on."""
+    the launch counts its sink programs on. ``two_words``: ``acc`` is [N, 2 D], each row's
+    hi words then its lo words (exact_sums), and grad_kv their sum."""
     N, D = acc.shape
+    D //= 1 + two_words
     T, H = delta.shape
     dev = acc.device
     grad_kv = torch.empty((N, D), dtype=kv_dtype, device=dev)
@@ -705,5 +740,5 @@ def epilogue(acc, kv_dtype, fake_order: bool, attn_sink, lse, delta, ticket,
             acc, grad_kv, N, n_conv, *sink_args, ticket, T, H, lse.stride(0) if n_seg else 0, n_seg, *dq_args,
             D=D, BLOCK_N=block_n, BLOCK_C=block_c, FAKE_ORDER=fake_order, HAS_SINK=n_seg > 0,
             SEG_T=SINK_SEG_T, BLOCK_H=block_h, SUM_SEG=max(1, 4096 // sum_h), SUM_H=sum_h,
-            HAS_DQ=n_dq > 0, DQ_BH=dq_parts.bh if n_dq else 64, num_warps=4)
+            HAS_DQ=n_dq > 0, DQ_BH=dq_parts.bh if n_dq else 64, TWO_WORDS=two_words, num_warps=4)
     return grad_kv, grad_sink

@@ -50,7 +50,8 @@ from .backward import DqParts, sum_dq_parts
 from .common import cuda_properties
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON_VERSION, TensorDescriptor,
                      async_load, balanced_order, fake_group_base, hopper_rejects, load_ids, red_f32x4_fake,
-                     red_f32x4_lines, red_f32x4_lines_grid, red_s32x2_lines, st_f32x4_fake, fresh,
+                     red_f32x4_lines, red_f32x4_lines_exact, red_f32x4_lines_grid, red_s32x2_lines,
+                     st_f32x4_fake, fresh,
                      thread_barrier, tma_load, tma_store, tma_store_wait)
 
 NAME = "gluon_sm90"
@@ -522,8 +523,12 @@ def _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED: gl.con
         # touched for it, so a NaN in an unselected row stays there. (Adding masked
         # slots' zeros to a spare row instead made every masked slot of the grid
         # contend for that one row: 46 ms instead of 8.7 at H128 K1152 with causal ids.)
-        row_ptr = ACC + gl.where(valid_k, ids_k, 0) * D
-        on = valid_k.to(gl.int32)
+        if RED == 7:  # exact two-word sums: rows of 2 D, and each row's grid code (PARTIAL)
+            row_ptr = ACC + gl.where(valid_k, ids_k, 0) * (2 * D)
+            on = gl.load(PARTIAL + ids_k, mask=valid_k, other=0)
+        else:
+            row_ptr = ACC + gl.where(valid_k, ids_k, 0) * D
+            on = valid_k.to(gl.int32)
         if ABL & 8:  # (ablation 8: every reduction predicated off, at run time: still issued)
             on = on * (N < 0).to(gl.int32)
     else:
@@ -992,7 +997,9 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
     (the follower of a head-block pair) added once to the leader's."""
     if RED:
         on_el = gl.full(acc.shape, 1, gl.int32, acc.type.layout) * on[:, None]
-        if RED == 6:  # (ablation 256, timing only: fp32 lines of values rounded to a grid)
+        if RED == 7:  # the deterministic mode's exact two-word sums (``on``: the rows' codes)
+            red_f32x4_lines_exact(fake_group_base(row_ptr, offs_d), acc, on_el)
+        elif RED == 6:  # (ablation 256, timing only: fp32 lines of values rounded to a grid)
             red_f32x4_lines_grid(fake_group_base(row_ptr, offs_d), acc, on_el)
         elif RED >= 4:  # (ablation 64, timing only: two s32 words a 64-bit add; 5: unconverted)
             red_s32x2_lines(fake_group_base(row_ptr, offs_d), acc, on_el, RED == 4)
@@ -1215,6 +1222,7 @@ def _bwd_main_gluon_kernel(
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
     gl.static_assert(not SPLIT or ROPE == 0, "split roles: D = 512 (no score-only columns)")
+    gl.static_assert(RED != 7 or (ROPE == 0 and not EVICT_LAST), "exact sums: D = 512, no evict-last")
     gl.static_assert(not QD_TMA or ROPE == 0, "q and dO by TMA: D = 512 (no score-only columns)")
     gl.static_assert(QD_EARLY == 0 or (QD_TMA and SPLIT > 0 and (QD_EARLY == 2 or QD_EARLY == 3)),
                      "q and dO released early: 2 or 3 quarters, by TMA, split schedules")
@@ -1357,9 +1365,12 @@ def flags_per_chunk(n_tok: int, n_hb: int) -> int:
     return 1 + 2 * n_tok * n_hb
 
 
-def _red(partial_rows: bool, lines, ablate: int) -> int:
+def _red(partial_rows: bool, lines, ablate: int, exact: bool = False) -> int:
     """``red_mode``, or in the fast mode with ``ablate`` 64 the packed-word prototype (4;
-    5 with 128: unconverted), with 256 the fp32 lines of values rounded to a grid (6)."""
+    5 with 128: unconverted), with 256 the fp32 lines of values rounded to a grid (6);
+    ``exact``: the deterministic mode's exact two-word sums (7)."""
+    if exact:
+        return 7
     if ablate & 256 and not partial_rows:
         return 6
     if ablate & 64 and not partial_rows:
@@ -1392,6 +1403,15 @@ def options_summary() -> str:
             "docs/performance/backward.md#defaults-by-triton-version-measured)")
 
 
+EXACT_SUMS = True  # ``launch`` takes ``exact_codes`` (exact_sums)
+
+
+def exact_sums_ok(W: int, D: int) -> bool:
+    """Whether ``launch`` adds exact two-word sums for q width W and D value columns: at
+    D = 512 without score-only columns (the lo words' offset, ``hopper.EXACT_LO_BYTES``)."""
+    return W == D == 512
+
+
 LAUNCH_CACHE = True  # ``launch`` takes ``cache``
 DEFERS_DQ_PARTS = True  # ``launch`` takes ``dq_parts``
 
@@ -1399,7 +1419,8 @@ DEFERS_DQ_PARTS = True  # ``launch`` takes ``dq_parts``
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, tokens=None, lines=None, order=None, evict_last=None,
            split=None, qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None, head_pad=None,
-           transposed=None, cache=None, split_remainder=None, pairs_code=None, dq_parts=None):
+           transposed=None, cache=None, split_remainder=None, pairs_code=None, dq_parts=None,
+           exact_codes=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -1428,10 +1449,16 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     call at K = 2048 is 32 chunks).
     ``dq_parts``: None, or a list to which the launch appends the remainder tiles' dQ parts
     (``backward.DqParts``) for the caller's epilogue to sum, instead of summing them in a
-    launch of its own."""
+    launch of its own.
+    ``exact_codes``: int32 [N] (``exact_sums.row_codes``), the deterministic mode's exact
+    two-word sums into ``acc`` [N, 2 D] (``partial`` None; D = 512, ``exact_sums_ok``)."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
+    exact = exact_codes is not None
+    if exact and (partial is not None or not exact_sums_ok(D, grad_out.shape[-1])):
+        raise ValueError(f"exact_codes: sums into the accumulator (no partial rows) at D = d_v = 512, "
+                         f"got D = {D}, d_v = {grad_out.shape[-1]}")
     n_tiles = n_tok * n_hb
     if paired and (partial is None or n_hb % 2):
         raise ValueError("head blocks pair up only on the partial-row path, with an even count")
@@ -1477,7 +1504,8 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     dqf = (torch.empty((n_units - n_full, BLOCK_H, D), dtype=torch.float32, device=q.device)
            if n_units > n_full else acc)
     _bwd_main_gluon_kernel[(grid,)](
-        q_arg, kv, indices, do_arg, lse, delta, dq_arg, acc, partial if partial is not None else acc, flags,
+        q_arg, kv, indices, do_arg, lse, delta, dq_arg, acc,
+        partial if partial is not None else exact_codes if exact else acc, flags,
         topk_length if topk_length is not None else indices, order if order is not None else indices, dqr,
         trace if trace is not None else flags, grad_q, dqf,
         H, N, K, t_begin, n_tiles, int(paired), n_units, n_full, n_parts,
@@ -1485,8 +1513,8 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
         D=grad_out.shape[-1], HAS_LEN=topk_length is not None,
-        RED=_red(partial is not None, lines, ablate),
-        EVICT_LAST=_evict_last(N, D, q.device, evict_last) and partial is None,
+        RED=_red(partial is not None, lines, ablate, exact),
+        EVICT_LAST=_evict_last(N, D, q.device, evict_last) and partial is None and not exact,
         ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma, ABL=int(ablate),
         HP=hp, TRANS=trans, PARTS=n_units > n_full,
         PAIRS=_pairs_code(paired, partial is not None, rope, pairs_code),

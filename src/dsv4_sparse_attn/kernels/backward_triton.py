@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import head_block, interpreting, load_tile, slot_end, slot_rows, triton_rejects
+from .exact_sums import split_to_grid
 
 NAME = "triton"
 ACC_FAKE_ORDER = False  # the fast mode's accumulator is [N, D] in natural column order
@@ -32,28 +33,38 @@ _MAIN_RUNTIME_INTS = ["T", "H", "N", "K", "t_begin", "stride_it", "stride_lt"]
 
 
 @triton.jit
-def _dkv_quarter(p_mm, ds_mm, do_x, q_x, ptr, mask, ATOMIC: tl.constexpr):
-    """One D quarter of this slot block's dKV rows, transposed: dO^T P + Q^T (scale dS).
-
-    Computed as [D/4, BLOCK_K] so the wgmma M dimension is D/4 (a multiple of 64)
-    whatever BLOCK_K is; ``ptr``/``mask`` address the transposed tile.
-    """
-    part = tl.dot(tl.trans(do_x), p_mm, tl.dot(tl.trans(q_x), ds_mm))
-    if ATOMIC:
+def _send_part(part, ptr, mask, code, ATOMIC: tl.constexpr, EXACT: tl.constexpr, W: tl.constexpr):
+    """A transposed dKV tile to its rows: fp32 atomic adds (``ATOMIC``; ``EXACT``: each value
+    split into two words on its row's grid, ``code`` [1, BLOCK_K], the lo word W columns
+    on: exact_sums), or stores to the partial rows."""
+    if EXACT:
+        hi, lo = split_to_grid(part, code)
+        tl.atomic_add(ptr, hi, mask=mask, sem="relaxed")
+        tl.atomic_add(ptr + W, lo, mask=mask, sem="relaxed")
+    elif ATOMIC:
         tl.atomic_add(ptr, part, mask=mask, sem="relaxed")
     else:
         tl.store(ptr, part, mask=mask)
 
 
 @triton.jit
-def _dkv_score_only(ds_mm, q_x, ptr, mask, ATOMIC: tl.constexpr):
+def _dkv_quarter(p_mm, ds_mm, do_x, q_x, ptr, mask, code, ATOMIC: tl.constexpr, EXACT: tl.constexpr,
+                 W: tl.constexpr):
+    """One D quarter of this slot block's dKV rows, transposed: dO^T P + Q^T (scale dS).
+
+    Computed as [D/4, BLOCK_K] so the wgmma M dimension is D/4 (a multiple of 64)
+    whatever BLOCK_K is; ``ptr``/``mask`` address the transposed tile.
+    """
+    part = tl.dot(tl.trans(do_x), p_mm, tl.dot(tl.trans(q_x), ds_mm))
+    _send_part(part, ptr, mask, code, ATOMIC, EXACT, W)
+
+
+@triton.jit
+def _dkv_score_only(ds_mm, q_x, ptr, mask, code, ATOMIC: tl.constexpr, EXACT: tl.constexpr, W: tl.constexpr):
     """The dKV rows of the score-only (rotary) columns, transposed: Q^T (scale dS); no
     P^T dO term, since those columns are no value."""
     part = tl.dot(tl.trans(q_x), ds_mm)
-    if ATOMIC:
-        tl.atomic_add(ptr, part, mask=mask, sem="relaxed")
-    else:
-        tl.store(ptr, part, mask=mask)
+    _send_part(part, ptr, mask, code, ATOMIC, EXACT, W)
 
 
 @triton.jit(do_not_specialize=_MAIN_RUNTIME_INTS)
@@ -70,6 +81,7 @@ def _bwd_main_kernel(
     HAS_LEN: tl.constexpr,
     DOT_FP32: tl.constexpr,
     ROPE: tl.constexpr = 0,
+    EXACT: tl.constexpr = False,
 ):
     # D: the value columns (dO's width); q, kv, dQ and dKV rows have W = D + ROPE columns,
     # the last ROPE of them (the V3.2 layout's rotary part) in the scores only.
@@ -159,19 +171,25 @@ def _bwd_main_kernel(
         ds_sc = (ds * scale).to(kv0.dtype)
         p_mm = p.to(kv0.dtype)
         offs_dt = tl.arange(0, QD)[:, None]
-        if ATOMIC:
+        code = 0
+        if EXACT:  # (rows of 2 W: the hi words, then the lo words; PARTIAL holds the codes)
+            row_ptr = DKV + rows[None, :] * (2 * W)
+            out_mask = valid[None, :]
+            code = tl.load(PARTIAL + rows, mask=valid, other=0)[None, :]
+        elif ATOMIC:
             row_ptr = DKV + rows[None, :] * W
             out_mask = valid[None, :]
         else:
             row_ptr = PARTIAL + ((pid_c * n_hb + pid_h) * K + offs_k[None, :].to(tl.int64)) * W
             out_mask = (offs_k < K)[None, :]
         out_ptr = row_ptr + offs_dt
-        _dkv_quarter(p_mm, ds_sc, do0, q0, out_ptr, out_mask, ATOMIC)
-        _dkv_quarter(p_mm, ds_sc, do1, q1, out_ptr + QD, out_mask, ATOMIC)
-        _dkv_quarter(p_mm, ds_sc, do2, q2, out_ptr + 2 * QD, out_mask, ATOMIC)
-        _dkv_quarter(p_mm, ds_sc, do3, q3, out_ptr + 3 * QD, out_mask, ATOMIC)
+        _dkv_quarter(p_mm, ds_sc, do0, q0, out_ptr, out_mask, code, ATOMIC, EXACT, W)
+        _dkv_quarter(p_mm, ds_sc, do1, q1, out_ptr + QD, out_mask, code, ATOMIC, EXACT, W)
+        _dkv_quarter(p_mm, ds_sc, do2, q2, out_ptr + 2 * QD, out_mask, code, ATOMIC, EXACT, W)
+        _dkv_quarter(p_mm, ds_sc, do3, q3, out_ptr + 3 * QD, out_mask, code, ATOMIC, EXACT, W)
         if ROPE > 0:
-            _dkv_score_only(ds_sc, q_r, row_ptr + D + tl.arange(0, ROPE)[:, None], out_mask, ATOMIC)
+            _dkv_score_only(ds_sc, q_r, row_ptr + D + tl.arange(0, ROPE)[:, None], out_mask, code, ATOMIC,
+                            EXACT, W)
 
     dq_ptr = DQ + pid_t * stride_gt + h64 * stride_gh + offs_d
     tl.store(dq_ptr, (dq0 * scale).to(DQ.dtype.element_ty), mask=hm)
@@ -223,12 +241,24 @@ def flags_per_chunk(n_tok: int, n_hb: int) -> int:
     return 0
 
 
+EXACT_SUMS = True  # ``launch`` takes ``exact_codes`` (exact_sums), at every D
+
+
+def exact_sums_ok(W: int, D: int) -> bool:
+    """Whether ``launch`` adds exact two-word sums for q width W and D value columns."""
+    return True
+
+
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
-           scale_log2, paired, topk_length=None, tokens=None, config: BwdConfig | None = None):
+           scale_log2, paired, topk_length=None, tokens=None, config: BwdConfig | None = None,
+           exact_codes=None):
     """One chunk of tokens [t_begin, t_begin + n_tok) or, with ``topk_length``, the tokens
     ``tokens`` (int32 [n_tok]; default those of [t_begin, t_begin + n_tok)): dKV rows to
     ``partial`` ([n_tok, n_hb, K, D] fp32, in the chunk's order) or, without it, added to
-    ``acc`` ([N, D] fp32)."""
+    ``acc`` ([N, D] fp32; with ``exact_codes``, int32 [N] from ``exact_sums.row_codes``,
+    [N, 2 D]: each row's hi words, then its lo words)."""
+    if exact_codes is not None and partial is not None:
+        raise ValueError("exact_codes: the sums go to the accumulator, not to partial rows")
     T, H, W = q.shape
     D = grad_out.shape[-1]  # the value columns; W - D score-only ones (common.ROPE_D or 0)
     N, K = kv.shape[0], indices.shape[1]
@@ -236,13 +266,14 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     if topk_length is not None and tokens is None:
         tokens = torch.arange(t_begin, t_begin + n_tok, device=q.device, dtype=torch.int32)
     _bwd_main_kernel[(n_tok, triton.cdiv(H, cfg.BLOCK_H))](
-        q, kv, indices, grad_out, lse, delta, grad_q, acc, partial if partial is not None else acc,
+        q, kv, indices, grad_out, lse, delta, grad_q, acc,
+        partial if partial is not None else exact_codes if exact_codes is not None else acc,
         topk_length if topk_length is not None else indices, tokens if tokens is not None else indices,
         T, H, N, K, t_begin,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
         D=D, ROPE=W - D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, ATOMIC=partial is None,
-        HAS_LEN=topk_length is not None,
+        HAS_LEN=topk_length is not None, EXACT=exact_codes is not None,
         DOT_FP32=interpreting(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -69,9 +69,11 @@ _FAKE_CONSTRAINTS_SRC = "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r
 # values $32.. and $34.. (pairs of a thread's two rows, r and r + 8).
 
 
-def _lines_half_decls(h: str, packed: bool = False) -> str:
+def _lines_half_decls(h: str, packed: bool = False, exact: bool = False) -> str:
     extra = (f"    .reg .b32 i{h}0, i{h}1, i{h}2, i{h}3, s{h}, xl{h}, xh{h};\n"
              f"    .reg .b64 d{h}0, d{h}1, x{h}, a{h};\n") if packed else ""
+    if exact:
+        extra += f"    .reg .b32 u{h}0, u{h}1, u{h}2, u{h}3, ch{h}, cl{h};\n    .reg .b64 bl{h};\n"
     return (f"    .reg .pred p{h};\n"
             f"    .reg .b32 lo{h}, hi{h}, on{h}, f{h};\n"
             f"    .reg .b32 v{h}0, v{h}1, v{h}2, v{h}3;\n"
@@ -146,6 +148,30 @@ def _grid_reds(red: str, h: str, p: str, ba: str, w: list) -> list:
     return out + [f"    @{p} " + red.format(ba, ", ".join(w))]
 
 
+# The deterministic mode's exact two-word sums (exact_sums): the flag of a row is its grid
+# code (bit 16 set; the biased exponents of C_hi and C_lo in bits 8-15 and 0-7), and each
+# value goes as hi = x + C_hi - C_hi to the row's first D columns and lo = (x - hi) + C_lo
+# - C_lo to the D after them: EXACT_LO_BYTES on from the hi word (rows of 2 x 512 fp32).
+EXACT_LO_BYTES = 512 * 4
+
+
+def _exact_reds(red: str, h: str, p: str, ba: str, w: list) -> list:
+    """``red`` of a row's four values split into the two words of its code's grids."""
+    f = f"f{h}"  # (``_lines_half``'s flag register of the row: its code)
+    out = [f"    shr.b32 ch{h}, {f}, 8;", f"    and.b32 ch{h}, ch{h}, 255;",
+           f"    shl.b32 ch{h}, ch{h}, 23;", f"    or.b32 ch{h}, ch{h}, 4194304;",
+           f"    and.b32 cl{h}, {f}, 255;", f"    shl.b32 cl{h}, cl{h}, 23;",
+           f"    or.b32 cl{h}, cl{h}, 4194304;"]
+    u = [f"u{h}{i}" for i in range(4)]
+    for x, y in zip(w, u):
+        out += [f"    add.rn.f32 {y}, {x}, ch{h};", f"    sub.rn.f32 {y}, {y}, ch{h};",
+                f"    sub.rn.f32 {x}, {x}, {y};",
+                f"    add.rn.f32 {x}, {x}, cl{h};", f"    sub.rn.f32 {x}, {x}, cl{h};"]
+    return out + [f"    @{p} " + red.format(ba, ", ".join(u)),
+                  f"    add.s64 bl{h}, {ba}, {EXACT_LO_BYTES};",
+                  f"    @{p} " + red.format(f"bl{h}", ", ".join(w))]
+
+
 def _lines_half(h: str, k: int, reds) -> str:
     """One half: lanes l and l ^ 4 swap the base and the values of the row the other one
     adds, so each 16-byte reduction of the warp covers whole 128-byte lines. ``reds(h,
@@ -175,13 +201,14 @@ def _lines_half(h: str, k: int, reds) -> str:
 
 
 def _lines_ptx(evict_last: bool = False, packed: bool = False, convert: bool = True,
-               grid: bool = False) -> str:
+               grid: bool = False, exact: bool = False) -> str:
     """``evict_last``: each reduction carries an L2 evict-last cache policy (``createpolicy``
     once, then ``red...add.L2::cache_hint``, PTX 7.4+ / sm_80+): the accumulator's lines are
     the last the L2 evicts, which matters once the fp32 [N, D] rows outgrow it (T = 32768:
     84 MB). ``packed``: two s32 words a ``red.add.u64`` instead (``_packed_reds``, with
     ``convert``). ``grid``: the fp32 lines with each value rounded to a grid first
-    (``_grid_reds``)."""
+    (``_grid_reds``). ``exact``: each value as two words on its row's grids, two lines a
+    row (``_exact_reds``)."""
     if evict_last:
         policy = "    .reg .b64 pol;\n    createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
         red = "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32 [{}], {{{}}}, pol;"
@@ -191,11 +218,13 @@ def _lines_ptx(evict_last: bool = False, packed: bool = False, convert: bool = T
         reds = functools.partial(_packed_reds, convert=convert)
     elif grid:
         reds = functools.partial(_grid_reds, red)
+    elif exact:
+        reds = functools.partial(_exact_reds, red)
     else:
         def reds(h, p, ba, w):
             return [f"    @{p} " + red.format(ba, ", ".join(w))]
     return ("{\n" + policy + "    .reg .pred odd;\n    .reg .b32 l, t;\n    .reg .b64 o;\n"
-            + _lines_half_decls("x", packed) + _lines_half_decls("y", packed)
+            + _lines_half_decls("x", packed, exact) + _lines_half_decls("y", packed, exact)
             + "    mov.u32 l, %laneid;\n    and.b32 t, l, 4;\n    setp.ne.b32 odd, t, 0;\n"
             + "    and.b32 l, l, 3;\n    mul.wide.u32 o, l, 16;\n"
             + _lines_half("x", 0, reds) + _lines_half("y", 2, reds)
@@ -209,6 +238,7 @@ _LINES_EVICT_LAST_PTX_SRC = _lines_ptx(evict_last=True)
 _LINES_PACKED_PTX_SRC = _lines_ptx(packed=True)
 _LINES_PACKED_RAW_PTX_SRC = _lines_ptx(packed=True, convert=False)
 _LINES_GRID_PTX_SRC = _lines_ptx(grid=True)
+_LINES_EXACT_PTX_SRC = _lines_ptx(exact=True)
 _LINES_CONSTRAINTS_SRC = ("=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,"
                           "l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,"
                           "r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,"
@@ -228,6 +258,7 @@ if gl is not None:
     _LINES_PTX_PACKED = gl.constexpr(_LINES_PACKED_PTX_SRC)
     _LINES_PTX_PACKED_RAW = gl.constexpr(_LINES_PACKED_RAW_PTX_SRC)
     _LINES_PTX_GRID = gl.constexpr(_LINES_GRID_PTX_SRC)
+    _LINES_PTX_EXACT = gl.constexpr(_LINES_EXACT_PTX_SRC)
     _LINES_CONSTRAINTS = gl.constexpr(_LINES_CONSTRAINTS_SRC)
     # cp.async gather into shared memory (3.8+: async_load)
     async_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
@@ -377,6 +408,13 @@ if gl is not None:
         if CONVERT:
             return _lines_asm(group_base, acc, on, _LINES_PTX_PACKED)
         return _lines_asm(group_base, acc, on, _LINES_PTX_PACKED_RAW)
+
+    @gluon.jit
+    def red_f32x4_lines_exact(group_base, acc, code):
+        """``red_f32x4_lines`` of exact two-word sums (``exact_sums``): ``code`` the row's
+        grid code (0: masked) instead of ``on``; each value's hi word to the row's first 512
+        columns, its lo word to the 512 after them (``_exact_reds``)."""
+        return _lines_asm(group_base, acc, code, _LINES_PTX_EXACT)
 
     @gluon.jit
     def red_f32x4_lines_grid(group_base, acc, on):
