@@ -95,7 +95,9 @@ def _row_bounds_kernel(IDX, LEN, QA, QC, BAD, SA, SC, CNT, NBAD, T, K, N, stride
     tl.atomic_add(SA + rows, tl.zeros([BLOCK_K], tl.int64) + qa, mask=ok, sem="relaxed")
     tl.atomic_add(SC + rows, tl.zeros([BLOCK_K], tl.int64) + qc, mask=ok, sem="relaxed")
     tl.atomic_add(CNT + rows, tl.full([BLOCK_K], 1, tl.int32), mask=ok, sem="relaxed")
-    tl.atomic_add(NBAD + rows, tl.zeros([BLOCK_K], tl.int32) + bad, mask=ok & (bad != 0), sem="relaxed")
+    # (the flag as a block first: Triton 3.9's interpreter rejects a mask from a block & a scalar)
+    bad_k = tl.zeros([BLOCK_K], tl.int32) + bad
+    tl.atomic_add(NBAD + rows, bad_k, mask=ok & (bad_k != 0), sem="relaxed")
 
 
 def _fixed(x: torch.Tensor, finite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
