@@ -537,8 +537,8 @@ def chunk_tokens(T: int, n_hb: int, K: int, D: int, budget: int, n_sm: int = 0) 
 def exact_sums_apply(main, q: torch.Tensor, grad_out: torch.Tensor, exact: bool | None = None) -> bool:
     """Whether the deterministic mode takes the exact two-word sums (``exact_sums``) with main
     kernel ``main`` rather than the partial rows and their sorted fold: ``exact`` if given,
-    else ``EXACT_SUMS`` where the main kernel has them for this width."""
-    able = getattr(main, "EXACT_SUMS", False) and main.exact_sums_ok(q.shape[-1], grad_out.shape[-1])
+    else ``EXACT_SUMS`` where the main kernel has them for this width (its ``exact_sums_ok``)."""
+    able = hasattr(main, "exact_sums_ok") and main.exact_sums_ok(q.shape[-1], grad_out.shape[-1])
     if exact and not able:
         raise ValueError(f"exact sums: the {main.NAME} main kernel has none at D = {q.shape[-1]}, "
                          f"d_v = {grad_out.shape[-1]}")

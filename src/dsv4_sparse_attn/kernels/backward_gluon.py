@@ -51,8 +51,7 @@ from .common import cuda_properties
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON_VERSION, TensorDescriptor,
                      async_load, balanced_order, fake_group_base, hopper_rejects, load_ids, red_f32x4_fake,
                      red_f32x4_lines, red_f32x4_lines_exact, red_f32x4_lines_grid, red_s32x2_lines,
-                     st_f32x4_fake, fresh,
-                     thread_barrier, tma_load, tma_store, tma_store_wait)
+                     st_f32x4_fake, fresh, thread_barrier, tma_load, tma_store, tma_store_wait)
 
 NAME = "gluon_sm90"
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -1403,12 +1402,10 @@ def options_summary() -> str:
             "docs/performance/backward.md#defaults-by-triton-version-measured)")
 
 
-EXACT_SUMS = True  # ``launch`` takes ``exact_codes`` (exact_sums)
-
-
 def exact_sums_ok(W: int, D: int) -> bool:
-    """Whether ``launch`` adds exact two-word sums for q width W and D value columns: at
-    D = 512 without score-only columns (the lo words' offset, ``hopper.EXACT_LO_BYTES``)."""
+    """Whether ``launch`` (``exact_codes``) adds exact two-word sums for q width W and D
+    value columns: at D = 512 without score-only columns (the lo words' offset,
+    ``hopper.EXACT_LO_BYTES``)."""
     return W == D == 512
 
 

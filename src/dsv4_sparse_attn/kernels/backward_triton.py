@@ -241,11 +241,9 @@ def flags_per_chunk(n_tok: int, n_hb: int) -> int:
     return 0
 
 
-EXACT_SUMS = True  # ``launch`` takes ``exact_codes`` (exact_sums), at every D
-
-
 def exact_sums_ok(W: int, D: int) -> bool:
-    """Whether ``launch`` adds exact two-word sums for q width W and D value columns."""
+    """Whether ``launch`` (``exact_codes``) adds exact two-word sums for q width W and D
+    value columns: at every width."""
     return True
 
 

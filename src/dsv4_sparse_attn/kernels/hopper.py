@@ -139,12 +139,17 @@ def _packed_reds(h: str, p: str, ba: str, w: list, convert: bool = True) -> list
 GRID_C = 24.0
 
 
+def _round_to_grid(dst: str, x: str, c: str) -> list:
+    """``dst = x + c - c``: x rounded to the grid of the constant (or register) ``c``."""
+    return [f"    add.rn.f32 {dst}, {x}, {c};", f"    sub.rn.f32 {dst}, {dst}, {c};"]
+
+
 def _grid_reds(red: str, h: str, p: str, ba: str, w: list) -> list:
     """``red`` (the fp32 line's reduction) after rounding the four values to GRID_C's grid."""
     c = _f32_imm(GRID_C)
     out = []
     for x in w:
-        out += [f"    add.rn.f32 {x}, {x}, {c};", f"    sub.rn.f32 {x}, {x}, {c};"]
+        out += _round_to_grid(x, x, c)
     return out + [f"    @{p} " + red.format(ba, ", ".join(w))]
 
 
@@ -163,10 +168,9 @@ def _exact_reds(red: str, h: str, p: str, ba: str, w: list) -> list:
            f"    and.b32 cl{h}, {f}, 255;", f"    shl.b32 cl{h}, cl{h}, 23;",
            f"    or.b32 cl{h}, cl{h}, 4194304;"]
     u = [f"u{h}{i}" for i in range(4)]
-    for x, y in zip(w, u):
-        out += [f"    add.rn.f32 {y}, {x}, ch{h};", f"    sub.rn.f32 {y}, {y}, ch{h};",
-                f"    sub.rn.f32 {x}, {x}, {y};",
-                f"    add.rn.f32 {x}, {x}, cl{h};", f"    sub.rn.f32 {x}, {x}, cl{h};"]
+    for x, y in zip(w, u):  # hi to y, then the exact residual x - hi rounded to the lo grid
+        out += (_round_to_grid(y, x, f"ch{h}") + [f"    sub.rn.f32 {x}, {x}, {y};"]
+                + _round_to_grid(x, x, f"cl{h}"))
     return out + [f"    @{p} " + red.format(ba, ", ".join(u)),
                   f"    add.s64 bl{h}, {ba}, {EXACT_LO_BYTES};",
                   f"    @{p} " + red.format(f"bl{h}", ", ".join(w))]
