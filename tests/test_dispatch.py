@@ -430,3 +430,32 @@ def test_packed_word_prototype_only_where_asked():
     for ablate in (0, 8, 128):
         for lines in (None, False, True):
             assert G._red(False, lines, ablate) == G.red_mode(False, lines)
+
+
+def test_exact_sums_only_where_asked_and_built(monkeypatch):
+    """The deterministic mode's exact two-word sums (a measurement option): off by default;
+    asked for, taken where the main kernel has them (Triton at every width, Gluon at D = d_v
+    = 512: ``exact_sums_ok``) and refused elsewhere with the widths named, by the backward and
+    by the Gluon launcher itself (before any launch); ``exact_codes`` selects RED 7."""
+    from dsv4_sparse_attn.kernels import hopper
+
+    q512, do512 = torch.zeros(2, 64, 512), torch.zeros(2, 64, 512)
+    q576 = torch.zeros(2, 64, 576)
+    assert kbwd.EXACT_SUMS is False
+    assert not kbwd.exact_sums_apply(backward_triton, q512, do512)
+    assert kbwd.exact_sums_apply(backward_triton, q576, do512, True)
+    assert not kbwd.exact_sums_apply(backward_triton, q576, do512, False)
+    monkeypatch.setattr(kbwd, "EXACT_SUMS", True)
+    assert kbwd.exact_sums_apply(backward_triton, q576, do512)
+    assert not kbwd.exact_sums_apply(backward_gluon, q576, do512)  # (not built there: the fold)
+    assert kbwd.exact_sums_apply(backward_gluon, q512, do512)
+    with pytest.raises(ValueError, match="D = 576, d_v = 512"):
+        kbwd.exact_sums_apply(backward_gluon, q576, do512, True)
+    if hopper.gluon_unavailable():
+        pytest.skip(f"no Gluon in this Triton: {hopper.gluon_unavailable()}")
+    assert backward_gluon._red(False, None, 0, True) == backward_gluon._red(True, None, 256, True) == 7
+    kv, idx = torch.zeros(3, 576), torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="got D = 576, d_v = 512"):
+        backward_gluon.launch(q576, kv, idx, do512, torch.zeros(2, 64), torch.zeros(2, 64), q576,
+                              torch.zeros(3, 1024), None, None, 0, 2, 1.0, 1.0, False,
+                              exact_codes=torch.zeros(3, dtype=torch.int32))
