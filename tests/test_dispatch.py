@@ -436,7 +436,8 @@ def test_exact_sums_only_where_asked_and_built(monkeypatch):
     """The deterministic mode's exact two-word sums (a measurement option): off by default;
     asked for, taken where the main kernel has them (Triton at every width, Gluon at D = d_v
     = 512: ``exact_sums_ok``) and refused elsewhere with the widths named, by the backward and
-    by the Gluon launcher itself (before any launch); ``exact_codes`` selects RED 7."""
+    by the Gluon launcher itself (before any launch); ``exact_codes`` selects RED 7; the fast
+    mode refuses it."""
     from dsv4_sparse_attn.kernels import hopper
 
     q512, do512 = torch.zeros(2, 64, 512), torch.zeros(2, 64, 512)
@@ -451,6 +452,10 @@ def test_exact_sums_only_where_asked_and_built(monkeypatch):
     assert kbwd.exact_sums_apply(backward_gluon, q512, do512)
     with pytest.raises(ValueError, match="D = 576, d_v = 512"):
         kbwd.exact_sums_apply(backward_gluon, q576, do512, True)
+    lse, ids = torch.zeros(2, 64), torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="fast mode got exact=True"):  # (not dropped silently)
+        kbwd.sparse_mla_bwd(do512, lse, q512, torch.zeros(3, 512), do512, lse, ids, None, 1.0,
+                            backward_triton, deterministic=False, exact=True)
     if hopper.gluon_unavailable():
         pytest.skip(f"no Gluon in this Triton: {hopper.gluon_unavailable()}")
     assert backward_gluon._red(False, None, 0, True) == backward_gluon._red(True, None, 256, True) == 7

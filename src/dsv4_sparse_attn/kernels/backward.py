@@ -553,7 +553,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     grad_kv [N,D] in kv's dtype, grad_sink ([H] fp32, or empty without sink). CPU tensors
     run under the Triton interpreter (tests only); ``main_options`` go to ``main.launch``.
     ``exact`` (deterministic mode): the exact two-word sums (True) or the partial rows and
-    their fold (False); None: ``exact_sums_apply``'s default."""
+    their fold (False); None: ``exact_sums_apply``'s default; True in the fast mode is an
+    error."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     q, kv, indices = last_dim_contiguous(q), last_dim_contiguous(kv), last_dim_contiguous(indices)
@@ -562,6 +563,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     dev = q.device
     n_hb = triton.cdiv(H, main.tile_heads(D, H))
     k_stride = main.partial_slots(K)
+    if exact and not deterministic:  # (the fast mode's fp32 sums have no exact form to take)
+        raise ValueError("exact sums are a deterministic-mode option; the fast mode got exact=True")
     exact = deterministic and exact_sums_apply(main, q, grad_out, exact)
     one_launch = not deterministic or exact  # (the whole of T in one main launch, no partial rows)
     paired = main.pairs_head_blocks(n_hb, deterministic and not exact)
