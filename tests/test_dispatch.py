@@ -464,3 +464,71 @@ def test_exact_sums_only_where_asked_and_built(monkeypatch):
         backward_gluon.launch(q576, kv, idx, do512, torch.zeros(2, 64), torch.zeros(2, 64), q576,
                               torch.zeros(3, 1024), None, None, 0, 2, 1.0, 1.0, False,
                               exact_codes=torch.zeros(3, dtype=torch.int32))
+
+
+def test_kernels_launch_with_the_tensors_gpu_current(monkeypatch):
+    """Triton launches on the current GPU's current stream, and a torch.library kernel is
+    entered without a device guard: both directions run their kernels inside
+    ``dispatch.on_device(q)`` (``torch.cuda.device(q.device)`` for a CUDA tensor)."""
+    import contextlib
+    import types
+
+    from dsv4_sparse_attn.validation import check_backward, check_forward
+
+    cuda1 = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))
+    assert dispatch.on_device(cuda1).idx == 1  # (built without touching a GPU)
+    assert isinstance(dispatch.on_device(torch.zeros(1)), contextlib.nullcontext)
+
+    inside = []
+
+    @contextlib.contextmanager
+    def recorded(t):
+        inside.append(t)
+        yield
+        inside.pop()
+
+    monkeypatch.setattr(dispatch, "on_device", recorded)
+    monkeypatch.setattr(dispatch, "_run", lambda direction, *_: (direction, list(inside)))
+    q, kv = torch.randn(3, 2, 8), torch.randn(5, 8)
+    idx = torch.zeros(3, 4, dtype=torch.int32)
+    out, lse = torch.zeros(3, 2, 8), torch.zeros(3, 2)
+    p = check_forward(q, kv, idx, None, None)
+    assert dispatch.forward(q, kv, idx, None, p) == ("forward", [q])
+    p = check_backward(out, None, q, kv, out, lse, idx, None, None)
+    assert dispatch.backward(out, None, q, kv, out, lse, idx, None, p) == ("backward", [q])
+    assert not inside
+
+
+def test_kernels_allocate_without_the_deterministic_fill(monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) PyTorch NaN-fills every empty tensor;
+    the kernels write all they read, so the fill is off while they run (not while the
+    reference runs) and restored after, also when the kernel raises."""
+    seen = {}
+
+    def kernel(mod):
+        seen["kernel"] = torch.utils.deterministic.fill_uninitialized_memory
+        if seen.get("raise"):
+            raise RuntimeError("out of memory")
+        return "kernel"
+
+    triton_first = lambda direction, call: ("triton", backward_triton)  # noqa: E731
+    monkeypatch.setattr(dispatch, "choose", triton_first)
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.utils.deterministic.fill_uninitialized_memory
+        assert dispatch._run("backward", None, kernel, None) == "kernel"
+        assert seen["kernel"] is False and torch.utils.deterministic.fill_uninitialized_memory
+        seen["raise"] = True
+        with pytest.raises(RuntimeError, match="out of memory"):
+            dispatch._run("backward", None, kernel, None)
+        assert torch.utils.deterministic.fill_uninitialized_memory
+        monkeypatch.setattr(dispatch, "choose", lambda direction, call: (dispatch.REFERENCE, None))
+        assert dispatch._run("backward", None, None,
+                             lambda: torch.utils.deterministic.fill_uninitialized_memory) is True
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    monkeypatch.setattr(dispatch, "choose", triton_first)
+    seen.clear()
+    dispatch._run("backward", None, kernel, None)
+    assert seen["kernel"] is True  # (deterministic algorithms off: the flag is left alone)

@@ -817,3 +817,40 @@ def _check_lengths_and_v32(layout, deterministic):
                 dsink=relerr(gs, rs))
     assert errs["out"] < 2e-2 and errs["lse"] < 1e-3 and errs["dsink"] < 2e-2, errs
     assert errs["dq"] < 3e-2 and errs["dkv"] < 3e-2, errs
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (a call off the current one)")
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "fast"])
+def test_op_on_a_gpu_that_is_not_the_current_one(deterministic):
+    """Tensors on cuda:1 while cuda:0 is current: the kernels must run on cuda:1 on its
+    stream, ordered with the memsets and sorts the backward queues there (they ran on the
+    current GPU before ``dispatch.on_device``). Against the oracle, and in the deterministic
+    mode bitwise against the same call with cuda:1 current."""
+    from kernel_checks import TOL
+
+    c = Case(64, 64, 512, 300, 256, ids="shared")
+    q, kv, idx, sink = make_case(c, "cuda:1")
+    do = torch.randn(c.T, c.H, c.D, device="cuda:1").to(q.dtype)
+
+    def call():
+        qg, kvg, sg = (x.detach().requires_grad_() for x in (q, kv, sink))
+        out, _ = torch.ops.dsv4.sparse_mla(qg, kvg, idx, sg)
+        return (out,) + torch.autograd.grad(out, (qg, kvg, sg), do)
+
+    dsv4_sparse_attn.set_deterministic_backward(deterministic)
+    try:
+        torch.cuda.set_device(0)
+        got = call()
+        with torch.cuda.device(1):
+            want = call()
+    finally:
+        dsv4_sparse_attn.set_deterministic_backward(None)
+    ro, _ = oracle_fwd(q, kv, idx, sink)
+    rq, rkv, rs = oracle_bwd(do, None, q, kv, idx, sink)
+    assert all(x.device == torch.device("cuda", 1) for x in got)
+    assert relerr(got[0], ro) < TOL[BF]["out"]
+    assert relerr(got[1], rq) < TOL[BF]["grad"] and relerr(got[2], rkv) < TOL[BF]["grad"]
+    assert relerr(got[3], rs) < TOL[BF]["sink"]
+    if deterministic:
+        for x, y in zip(got, want):
+            assert torch.equal(x, y)

@@ -150,7 +150,8 @@ def _run(direction: str, call: Call, run_kernel, run_reference):
         if mod is None:
             return run_reference()
         try:
-            return run_kernel(mod)
+            with unfilled_allocations():
+                return run_kernel(mod)
         except Exception as e:  # compilation errors surface at the first launch
             if name != "gluon_sm90" or not _is_build_error(e) or _forced.get(direction) == name:
                 raise
@@ -168,6 +169,34 @@ def _no_work(p) -> bool:
     return min(p.T, p.H, p.K, p.N) == 0
 
 
+def on_device(t: torch.Tensor):
+    """The context a call's launches need: its tensors' GPU made current. Triton launches on
+    the current device's current stream, and a torch.library kernel is not entered under a
+    device guard, so a call on cuda:1 while cuda:0 is current would otherwise run its kernels
+    on GPU 0, unordered with the PyTorch work (memsets, sorts) it queues on GPU 1's stream."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def unfilled_allocations():
+    """Under ``torch.use_deterministic_algorithms(True)`` PyTorch fills every new empty tensor
+    with NaN (``torch.utils.deterministic.fill_uninitialized_memory``) so that reading one
+    uninitialised is reproducible. The kernels write every element they read and every
+    output element (the GPU tests poison outputs to check it), so the fills would only cost
+    time: the deterministic backward's partial-row buffer (up to 0.9 GiB), grad_q, Delta, the
+    sort's buffers, the forward's out. Off while a call's kernels run, restored after (a
+    process-wide flag: another thread allocating meanwhile gets no fill either)."""
+    det = torch.utils.deterministic
+    if not (det.fill_uninitialized_memory and torch.are_deterministic_algorithms_enabled()):
+        yield
+        return
+    det.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        det.fill_uninitialized_memory = True
+
+
 def _dense(topk_length):
     """The kernels read token t's length at ``LEN + t``: a strided [T] view is copied."""
     return topk_length.contiguous() if topk_length is not None else None
@@ -181,10 +210,11 @@ def forward(q, kv, indices, attn_sink, p, topk_length=None):
         return run_reference()
     topk_length = _dense(topk_length)
     call = Call.of(q, d_v=p.d_v, has_len=p.has_len)
-    return _run("forward", call,
-                lambda mod: mod.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale, topk_length=topk_length,
-                                               d_v=p.d_v),
-                run_reference)
+    with on_device(q):
+        return _run("forward", call,
+                    lambda mod: mod.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale,
+                                                   topk_length=topk_length, d_v=p.d_v),
+                    run_reference)
 
 
 def backward(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p, topk_length=None):
@@ -197,8 +227,9 @@ def backward(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p, topk_le
     topk_length = _dense(topk_length)
     det = deterministic_backward()
     call = Call.of(q, det, d_v=p.d_v, has_len=p.has_len)
-    return _run("backward", call,
-                lambda mod: _backward.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink,
-                                                     p.scale, main=mod, deterministic=det,
-                                                     topk_length=topk_length),
-                run_reference)
+    with on_device(q):
+        return _run("backward", call,
+                    lambda mod: _backward.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices,
+                                                         attn_sink, p.scale, main=mod, deterministic=det,
+                                                         topk_length=topk_length),
+                    run_reference)
