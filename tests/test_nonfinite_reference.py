@@ -109,8 +109,11 @@ def test_scale_must_be_a_usable_float32(scale):
         torch.ops.dsv4.sparse_mla(q, kv, idx, sink, scale)
 
 
-def test_bool_scale_is_refused():
-    """The Python API refuses a bool (the op's float schema would take True as 1.0)."""
+def test_bool_scale_or_d_v_is_refused():
+    """The Python API refuses a bool scale or d_v (the ops' schemas would take True as 1.0
+    and 1: d_v=True would return [T, H, 1] from kv's first column)."""
     q, kv, idx, sink = _inputs()
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="scale must be a float or None, got bool"):
         dsv4_sparse_attn.sparse_mla(q, kv, idx, sink, True)
+    with pytest.raises(TypeError, match="d_v must be an int or None, got bool"):
+        dsv4_sparse_attn.sparse_mla(q, kv, idx, sink, d_v=True)

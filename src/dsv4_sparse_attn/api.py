@@ -71,8 +71,11 @@ def sparse_mla(
     """
     if not isinstance(q, Tensor):
         raise TypeError(f"sparse_mla: q must be a torch.Tensor, got {type(q).__name__}")
-    if isinstance(scale, bool):  # the op's float schema would take True as 1.0
+    # (the ops' schemas would take True as 1.0 and 1: a bool is a mistake, not a number)
+    if isinstance(scale, bool):
         raise TypeError(f"sparse_mla: scale must be a float or None, got {type(scale).__name__}")
+    if isinstance(d_v, bool):
+        raise TypeError(f"sparse_mla: d_v must be an int or None, got {type(d_v).__name__}")
     if q.dim() == 4:
         B, S = q.shape[:2]
         fq, fkv, fidx = _flatten_batched(q, kv, indices)

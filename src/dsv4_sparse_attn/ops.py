@@ -64,7 +64,7 @@ def sparse_mla_fwd(
     topk_length: Optional[Tensor] = None,
     d_v: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Sparse-MLA forward: out [T, H, D] in q's dtype and the sink-inclusive lse [T, H] fp32."""
+    """Sparse-MLA forward: out [T, H, d_v] in q's dtype and the sink-inclusive lse [T, H] fp32."""
     return _fwd_cpu(q, kv, indices, attn_sink, scale, topk_length, d_v)
 
 
@@ -132,7 +132,8 @@ def sparse_mla_bwd(
     topk_length: Optional[Tensor] = None,
     d_v: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Sparse-MLA backward: grad_q, grad_kv (kv's shape), grad_sink ([H] fp32, or empty without sink).
+    """Sparse-MLA backward: grad_q, grad_kv (kv's shape), grad_sink ([H] in the sink's dtype, or
+    empty without sink).
 
     ``grad_lse`` may be None (treated as zero); a gradient on lse shifts Delta.
     """
