@@ -532,3 +532,45 @@ def test_kernels_allocate_without_the_deterministic_fill(monkeypatch):
     seen.clear()
     dispatch._run("backward", None, kernel, None)
     assert seen["kernel"] is True  # (deterministic algorithms off: the flag is left alone)
+
+
+def test_aligned16_copies_only_what_the_gluon_gathers_cannot_take():
+    """``common.aligned16``: the tensor itself where the base is 16-byte aligned and every
+    stride but the last a multiple of 16 elements (expanded dims included); else a
+    contiguous copy with the same values."""
+    from dsv4_sparse_attn.kernels.common import aligned16
+
+    x = torch.randn(4, 3, 64, dtype=torch.bfloat16)
+    assert aligned16(x) is x and aligned16(None) is None
+    e = torch.randn(64, dtype=torch.bfloat16).expand(4, 3, 64)  # strides (0, 0, 1)
+    assert aligned16(e) is e
+    off = torch.randn(1 + 4 * 3 * 64, dtype=torch.bfloat16)[1:].view(4, 3, 64)  # 2 bytes off
+    wide = torch.randn(4, 3, 72, dtype=torch.bfloat16)[..., :64]  # rows 72 elements apart
+    tcol = torch.randn(64, 4, 3, dtype=torch.bfloat16).permute(1, 2, 0)  # last dim strided
+    for bad in (off, wide, tcol):
+        y = aligned16(bad)
+        assert y is not bad and torch.equal(y, bad) and y.is_contiguous() and y.data_ptr() % 16 == 0
+
+
+def test_gluon_forward_gathers_from_aligned_rows(monkeypatch):
+    """The Gluon forward hands its kernel q and kv through ``aligned16`` (a launch with an
+    unaligned base or stride would not compile, and the failed build would drop the Gluon
+    forward for the process)."""
+    import types
+
+    seen = {}
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def run(q, kv, *args, **kwargs):
+                seen["ok"] = [x.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in x.stride()[:-1])
+                              for x in (q, kv)]
+            return run
+
+    monkeypatch.setattr(forward_gluon, "_sparse_mla_fwd_gluon_kernel", Kernel())
+    monkeypatch.setattr(forward_gluon, "cuda_properties",
+                        lambda d: types.SimpleNamespace(multi_processor_count=4))
+    q = torch.randn(3, 64, 520, dtype=torch.bfloat16)[..., :512]  # heads 520 elements apart
+    kv = torch.randn(1 + 6 * 512, dtype=torch.bfloat16)[1:].view(6, 512)  # 2 bytes off
+    forward_gluon.sparse_mla_fwd(q, kv, torch.zeros(3, 8, dtype=torch.int32), None, 1.0)
+    assert seen["ok"] == [True, True]

@@ -854,3 +854,35 @@ def test_op_on_a_gpu_that_is_not_the_current_one(deterministic):
     if deterministic:
         for x, y in zip(got, want):
             assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "fast"])
+def test_op_takes_unaligned_rows_on_the_gluon_kernels(deterministic):
+    """q, kv and dO 2 bytes off a 16-byte boundary, with rows 520 elements apart: the Gluon
+    kernels get aligned copies (``common.aligned16``) instead of a launch that does not
+    compile, which would have dropped them for the rest of the process."""
+    from kernel_checks import TOL
+
+    T, H, D, N, K = 8, 64, 512, 300, 256
+
+    def unaligned(rows, width):
+        flat = torch.randn(1 + rows * (width + 8), device=DEV).to(BF)
+        return flat[1:].view(rows, width + 8)[:, :width]
+
+    q, kv = unaligned(T, H * D).unflatten(1, (H, D)), unaligned(N, D)
+    do = unaligned(T, H * D).unflatten(1, (H, D))
+    idx = deepseek_indices(T, K, n_pool=N - T, device=DEV)
+    sink = torch.randn(H, device=DEV)
+    dsv4_sparse_attn.set_deterministic_backward(deterministic)
+    try:
+        qg, kvg, sg = (x.detach().requires_grad_() for x in (q, kv, sink))
+        out, _ = torch.ops.dsv4.sparse_mla(qg, kvg, idx, sg)
+        gq, gkv, gs = torch.autograd.grad(out, (qg, kvg, sg), do)
+    finally:
+        dsv4_sparse_attn.set_deterministic_backward(None)
+    assert not dispatch._broken, f"a Gluon kernel was dropped: {dispatch._broken}"
+    ro, _ = oracle_fwd(q, kv, idx, sink)
+    rq, rkv, rs = oracle_bwd(do, None, q, kv, idx, sink)
+    assert relerr(out, ro) < TOL[BF]["out"]
+    assert relerr(gq, rq) < TOL[BF]["grad"] and relerr(gkv, rkv) < TOL[BF]["grad"]
+    assert relerr(gs, rs) < TOL[BF]["sink"]

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import exact_sums
-from .common import LOG2E, cuda_properties, last_dim_contiguous, next_pow2
+from .common import LOG2E, aligned16, cuda_properties, last_dim_contiguous, next_pow2
 
 # The deterministic mode's grad_kv sums where the main kernel has them: exact two-word sums
 # on per-row grids in one launch (exact_sums; True), or per-slot partial rows folded in a
@@ -557,8 +557,10 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     error."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
-    q, kv, indices = last_dim_contiguous(q), last_dim_contiguous(kv), last_dim_contiguous(indices)
-    grad_out, out = last_dim_contiguous(grad_out), last_dim_contiguous(out)
+    # (q, kv and dO as the Gluon kernel's 16-byte gathers need them: a copy only where a base
+    # or a stride is not aligned; the Triton kernels take them either way)
+    q, kv, grad_out = aligned16(q), aligned16(kv), aligned16(grad_out)
+    indices, out = last_dim_contiguous(indices), last_dim_contiguous(out)
     lse, grad_lse, attn_sink = (last_dim_contiguous(x) for x in (lse, grad_lse, attn_sink))
     dev = q.device
     n_hb = triton.cdiv(H, main.tile_heads(D, H))

@@ -1561,9 +1561,10 @@ def _qd_loads(q, grad_out, rope: int, split: int, K: int, qd_tma=None, qd_early=
 
 def _tma_ok(x) -> bool:
     """Whether TMA can load [1, 64, 128] tiles of ``x`` ([T, H, D]): the last dim
-    contiguous, the base and the other strides 16-byte aligned."""
+    contiguous, the base and the other strides 16-byte aligned and not 0 (an expanded
+    gradient: the driver's tensor map is not documented for a zero stride; cp.async then)."""
     return (x.stride(2) == 1 and x.data_ptr() % 16 == 0
-            and all((x.stride(i) * x.element_size()) % 16 == 0 for i in (0, 1)))
+            and all(x.stride(i) > 0 and (x.stride(i) * x.element_size()) % 16 == 0 for i in (0, 1)))
 
 
 def _qd_descriptor(x):

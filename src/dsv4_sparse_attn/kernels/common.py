@@ -88,6 +88,20 @@ def last_dim_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
     return x.contiguous()
 
 
+def aligned16(x: torch.Tensor | None) -> torch.Tensor | None:
+    """``x`` where the Gluon kernels can gather its rows with 16-byte copies: the last dim
+    contiguous, the base 16-byte aligned and every other stride a multiple of 16 elements
+    (what Triton specialises a launch on; without it the cp.async gathers of q, kv and dO do
+    not compile, and a failed build would drop the Gluon kernel for the whole process);
+    else a contiguous copy, which has all three at D = 512 and 576. Expanded dims (stride 0)
+    pass as they are."""
+    if x is None or x.numel() == 0:
+        return x
+    if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in x.stride()[:-1]):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_properties(index: int):
     return torch.cuda.get_device_properties(index)

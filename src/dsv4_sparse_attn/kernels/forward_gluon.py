@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .common import cuda_properties
+from .common import aligned16, cuda_properties
 from .forward_triton import FWD_RUNTIME_INTS, prepare_forward
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, balanced_order,
                      finish_softmax, fresh, fresh_zero, hopper_rejects, load_ids, thread_barrier,
@@ -559,6 +559,7 @@ def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, topk_le
     if (q.shape[-1], dv) not in ((512, 512), (576, 512)):
         raise ValueError(f"forward_gluon: takes D = 512, or D = 576 with d_v = 512 (got D = {q.shape[-1]}, "
                          f"d_v = {dv}; see rejects)")
+    q, kv = aligned16(q), aligned16(kv)  # (rows gathered by 16-byte cp.async)
     out, lse, args = prepare_forward(q, kv, indices, attn_sink, scale, out, lse, d_v)
     if args is None:
         return out, lse
