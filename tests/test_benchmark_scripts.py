@@ -142,3 +142,29 @@ def test_backward_sweep_times_ours_and_cudnn_in_both_orders(monkeypatch):
     assert row["cudnn"]["ms_passes"] == [7.0, 3.0] and row["cudnn"]["ms"] == 3.0
     assert row["speedups"]["fast_vs_cudnn"] == 3.0 / 4.0
     assert abs(row["cudnn"]["cos_dkv"]["fast"] - 1) < 1e-6
+
+
+def test_plain_pytorch_baseline_matches_the_oracle():
+    """bench.py's plain PyTorch arm computes the op (masked, out-of-range and causal -1 ids,
+    the sink) in forward and backward: float64 against the reference (its softmax runs in
+    fp32, hence 1e-6)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench
+    finally:
+        sys.path.pop(0)
+    from dsv4_sparse_attn.testing import deepseek_indices, oracle_bwd, oracle_fwd
+
+    T, H, D, N, K = 40, 4, 64, 60, 32
+    g = torch.Generator().manual_seed(3)
+    q, kv = torch.randn(T, H, D, generator=g).double(), torch.randn(N, D, generator=g).double()
+    sink = torch.randn(H, generator=g).double()
+    idx = deepseek_indices(T, K, n_pool=N - T, pool="causal", generator=g)
+    idx[0, 3], idx[5, 7] = N + 5, -7
+    qg, kvg, sg = (x.clone().requires_grad_() for x in (q, kv, sink))
+    out, lse = bench.torch_sparse_mla(qg, kvg, idx, sg, D ** -0.5)
+    ro, rl = oracle_fwd(q, kv, idx, sink)
+    assert (out - ro).abs().max() < 1e-6 and (lse - rl).abs().max() < 1e-6
+    do = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    for got, want in zip(torch.autograd.grad(out, (qg, kvg, sg), do), oracle_bwd(do, None, q, kv, idx, sink)):
+        assert (got - want).abs().max() < 1e-6
