@@ -91,8 +91,12 @@ TORCH_ROWS_LIMIT = 8 * 2**30  # plain PyTorch gathers T*K*D*2 bytes of rows (and
 FORWARD_KERNELS = ("gluon_sm90", "triton")
 MODES = (("fast", False), ("deterministic", True))
 GIB = 2**30
-SLOW_MS = 100.0  # calls slower than this are timed with CUDA events, 1 warm-up + 3 calls
-SLOW_CALLS = 3
+# do_bench takes about rep / (a call's ms) samples: a call that would get fewer than
+# MIN_SAMPLES is timed instead as the median of SLOW_CALLS calls by CUDA events, each after
+# the same L2 flush as do_bench's (its rep would otherwise time a 50-100 ms call once)
+MIN_SAMPLES = 5
+SLOW_CALLS = 5
+L2_FLUSH_BYTES = 256 * 2**20  # (triton.testing.do_bench's buffer)
 TIMING = {  # (do_bench warmup ms, rep ms)
     "table": (50, 200),
     "sweep": (25, 100),
@@ -162,10 +166,13 @@ def torch_sparse_mla(q, kv, idx, sink, scale, d_v=None):
     return out, lse
 
 
-def event_times(fn, calls):
-    """ms of each of ``calls`` calls of ``fn``, one after another, timed with CUDA events."""
+def event_times(fn, calls, flush=None):
+    """ms of each of ``calls`` calls of ``fn``, one after another, timed with CUDA events;
+    ``flush`` (a tensor) is zeroed before each call, outside the timed region."""
     times = []
     for _ in range(calls):
+        if flush is not None:
+            flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -177,14 +184,16 @@ def event_times(fn, calls):
 
 def bench(fn, warmup=50, rep=200):
     """Median ms of a call of ``fn``: ``triton.testing.do_bench`` (warmup and rep in ms, L2
-    flushed before each timed call); a call slower than SLOW_MS (T=131072) is timed with
-    CUDA events instead: one warm-up call, then SLOW_CALLS calls."""
+    flushed before each timed call); a call that do_bench would time fewer than MIN_SAMPLES
+    times (slower than rep / MIN_SAMPLES) is timed with CUDA events instead: the median of
+    SLOW_CALLS calls, the L2 flushed before each as do_bench does."""
     fn()  # warm-up: compilation, autotuning, the allocator
     torch.cuda.synchronize()
     first = event_times(fn, 1)[0]
-    if first < SLOW_MS:
+    if first * MIN_SAMPLES < rep:
         return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-    return statistics.median([first] + event_times(fn, SLOW_CALLS - 1))
+    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    return statistics.median(event_times(fn, SLOW_CALLS, flush))
 
 
 def peak_extra(fn, keep_bytes=0):
@@ -364,12 +373,14 @@ def sweep_row(T, H, K, ids, D, timing, peer=None, with_torch=True):
             row[mode] = dict(kernel=kernel_name("backward", q, det), **measure(bwd, fl_b, timing, keep=g))
             del g
 
+    torch_fn = []  # (its graph kept for the second pass)
     if with_torch and T * K * D * 2 < TORCH_ROWS_LIMIT:
         def torch_bwd():
             qg, kvg, sg = (x.detach().requires_grad_() for x in (q, kv, sink))
             o, _ = torch_sparse_mla(qg, kvg, idx, sg, scale)
-            r = measure(lambda: torch.autograd.grad(o, (qg, kvg, sg), do, retain_graph=True), fl_b, timing)
-            del o
+            f = lambda: torch.autograd.grad(o, (qg, kvg, sg), do, retain_graph=True)  # noqa: E731
+            r = measure(f, fl_b, timing)
+            torch_fn.append(f)
             return r
         row["torch"] = attempt(torch_bwd)
     else:
@@ -391,7 +402,7 @@ def sweep_row(T, H, K, ids, D, timing, peer=None, with_torch=True):
 
     # A second pass in the reverse order, cuDNN first: an arm's place in a pass moved one
     # build's time by up to 5.6% (docs/performance/method.md#comparing-variants), and the
-    # first pass times cuDNN last. Each keeps its better time; "ms_passes" has both.
+    # first pass times cuDNN last. Every arm keeps its better time; "ms_passes" has both.
     def again(name, fn):
         r = row[name]
         ms = bench(fn, *timing)
@@ -400,6 +411,8 @@ def sweep_row(T, H, K, ids, D, timing, peer=None, with_torch=True):
         r["tflops"] = fl_b / r["ms"] * 1e-9
     if peer_fn and "ms" in row["cudnn"]:
         again("cudnn", peer_fn[0])
+    if torch_fn and "ms" in row["torch"]:
+        again("torch", torch_fn.pop())
     for mode, det in reversed(MODES):
         with backward_mode(det):
             again(mode, bwd)
@@ -538,7 +551,7 @@ def main(argv=None):
         peer, peer_error = load_cudnn(a.cudnn) if a.cudnn else (None, None)
         settings = {"D": a.D, "dtype": "bfloat16", "sink": True, "seed": 0, "grad_lse": None,
                     "ids": "testing.deepseek_indices(window=128, n_pool=max(T//4, K), pool=ids)",
-                    "timing_ms": {"warmup": timing[0], "rep": timing[1], "slow_ms": SLOW_MS,
+                    "timing_ms": {"warmup": timing[0], "rep": timing[1], "min_samples": MIN_SAMPLES,
                                   "slow_calls": SLOW_CALLS},
                     "torch_rows_limit_gib": TORCH_ROWS_LIMIT / GIB,
                     "cudnn": a.cudnn, "cudnn_error": peer_error}
@@ -549,7 +562,7 @@ def main(argv=None):
             rows += [(T, H, K, label, V32_D, V32_DV) for T in (a.Ts or [4096]) for H, K, label in V32_SHAPES]
         settings = {"D": a.D, "dtype": "bfloat16", "sink": True, "seed": 0,
                     "ids": "testing.deepseek_indices(window=128, n_pool=T//4, pool='random')",
-                    "timing_ms": {"warmup": timing[0], "rep": timing[1], "slow_ms": SLOW_MS,
+                    "timing_ms": {"warmup": timing[0], "rep": timing[1], "min_samples": MIN_SAMPLES,
                                   "slow_calls": SLOW_CALLS}}
         doc = document("table", settings, a.quick)
     path = a.json or default_json_path(doc)

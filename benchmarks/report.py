@@ -368,6 +368,11 @@ def plot(png: str, table=None, sweep=None) -> str:
         bwd.append(("plain PyTorch (backward sweep)", torch_bwd, "#999999", False))
     measured = series(lambda hk: sweep_hk[hk]["cudnn"]["tflops"])
     if any(math.isfinite(v) for v in measured):
+        # (cuDNN's bars next to ours from the same run: the sweep's ids and inputs differ
+        # from the table's, and tables from different runs are not compared)
+        if table is not None:
+            bwd.append(("ours, fast (backward sweep)", series(lambda hk: sweep_hk[hk]["fast"]["tflops"]),
+                        "#1b5e20", False))
         bwd.append((f"{CUDNN} (measured {sweep['date']})", measured, "#e67e22", False))
     for n in ANCHORS["backward"]:
         vals = anchor("backward", n)

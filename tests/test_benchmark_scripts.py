@@ -106,8 +106,8 @@ def test_best_of_ab_gives_every_arm_an_early_and_a_late_place():
 
 @pytest.mark.filterwarnings("ignore:dsv4.sparse_mla")  # (the kernel's name looked up for CPU tensors)
 def test_backward_sweep_times_ours_and_cudnn_in_both_orders(monkeypatch):
-    """``bench.py --backward-sweep``'s row: our two modes and cuDNN's backward timed twice,
-    the second pass in reverse order (cuDNN first), each keeping its better time (an arm's
+    """``bench.py --backward-sweep``'s row: our two modes, plain PyTorch and cuDNN's backward
+    timed twice, the second pass in reverse order (cuDNN first), each keeping its better time (an arm's
     place in a pass moved one build's time by up to 5.6%). Run on the CPU with the timer,
     the inputs' device and the memory reading replaced, and a stand-in peer."""
     import importlib.util
@@ -115,12 +115,12 @@ def test_backward_sweep_times_ours_and_cudnn_in_both_orders(monkeypatch):
     spec = importlib.util.spec_from_file_location("bench_under_test", os.path.join(BENCHMARKS, "bench.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    order, times = [], iter([5.0, 6.0, 7.0, 3.0, 6.5, 4.0])
+    order, times = [], iter([5.0, 6.0, 9.0, 7.0, 3.0, 8.0, 6.5, 4.0])
 
     def timer(fn, warmup=0, rep=0):
         fn()
         mode = "det" if bench.dispatch.deterministic_backward() else "fast"
-        order.append(getattr(fn, "arm", None) or mode)
+        order.append("torch" if "torch_bwd" in fn.__qualname__ else getattr(fn, "arm", None) or mode)
         return next(times)
     make_inputs = bench.make_inputs
     monkeypatch.setattr(bench, "make_inputs", lambda *a, **k: make_inputs(*a, **{**k, "dev": "cpu"}))
@@ -135,11 +135,12 @@ def test_backward_sweep_times_ours_and_cudnn_in_both_orders(monkeypatch):
                 return dq, dkv, dsink
             f.arm = "cudnn"
             return f
-    row = bench.sweep_row(8, 2, 16, "random", 64, (0, 0), Peer(), with_torch=False)
-    assert order == ["fast", "det", "cudnn", "cudnn", "det", "fast"], order
+    row = bench.sweep_row(8, 2, 16, "random", 64, (0, 0), Peer(), with_torch=True)
+    assert order == ["fast", "det", "torch", "cudnn", "cudnn", "torch", "det", "fast"], order
     assert row["fast"]["ms_passes"] == [5.0, 4.0] and row["fast"]["ms"] == 4.0
     assert row["deterministic"]["ms_passes"] == [6.0, 6.5] and row["deterministic"]["ms"] == 6.0
     assert row["cudnn"]["ms_passes"] == [7.0, 3.0] and row["cudnn"]["ms"] == 3.0
+    assert row["torch"]["ms_passes"] == [9.0, 8.0] and row["torch"]["ms"] == 8.0
     assert row["speedups"]["fast_vs_cudnn"] == 3.0 / 4.0
     assert abs(row["cudnn"]["cos_dkv"]["fast"] - 1) < 1e-6
 
