@@ -192,8 +192,11 @@ def bench(fn, warmup=50, rep=200):
     first = event_times(fn, 1)[0]
     if first * MIN_SAMPLES < rep:
         return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-    return statistics.median(event_times(fn, SLOW_CALLS, flush))
+    return statistics.median(event_times(fn, SLOW_CALLS, l2_flush_buffer()))
+
+
+def l2_flush_buffer():
+    return torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
 
 
 def peak_extra(fn, keep_bytes=0):

@@ -169,3 +169,40 @@ def test_plain_pytorch_baseline_matches_the_oracle():
     do = torch.randn(out.shape, generator=g, dtype=out.dtype)
     for got, want in zip(torch.autograd.grad(out, (qg, kvg, sg), do), oracle_bwd(do, None, q, kv, idx, sink)):
         assert (got - want).abs().max() < 1e-6
+
+
+def test_bench_gives_slow_calls_five_flushed_samples(monkeypatch):
+    """bench.py's ``bench``: a call that do_bench would sample fewer than MIN_SAMPLES times
+    (slower than rep / MIN_SAMPLES) is the median of SLOW_CALLS event-timed calls, the L2
+    flush buffer zeroed before each; a faster one goes to do_bench. CPU stand-ins for the
+    events, the flush buffer and do_bench."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench
+    finally:
+        sys.path.pop(0)
+    ms = iter([])
+
+    class Event:
+        def __init__(self, enable_timing=True):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, end):
+            return next(ms)
+
+    flush = torch.ones(4, dtype=torch.int32)
+    zeroed = []
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench, "l2_flush_buffer", lambda: flush)
+    monkeypatch.setattr(flush, "zero_", lambda: zeroed.append(1))
+    monkeypatch.setattr(bench.triton.testing, "do_bench", lambda fn, warmup, rep, return_mode: -1.0)
+    calls = []
+    ms = iter([10.0])  # 10 ms against rep 200: 20 samples in do_bench
+    assert bench.bench(lambda: calls.append(1), 50, 200) == -1.0
+    ms = iter([50.0, 61.0, 55.0, 70.0, 52.0, 58.0])  # 50 ms: 4 samples, too few
+    assert bench.bench(lambda: calls.append(1), 50, 200) == 58.0  # (median of the last five)
+    assert len(zeroed) == bench.SLOW_CALLS == 5 and bench.MIN_SAMPLES == 5
