@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -448,6 +449,22 @@ def git_commit():
         return "unknown", None
 
 
+def source_digest(root=None):
+    """sha256 of the package's source (every .py under src/dsv4_sparse_attn, by relative
+    path): the code a run measured, also where the commit label it was given is stale.
+    ``python benchmarks/bench.py --source-digest`` prints it for a checkout, to compare."""
+    root = root or os.path.join(os.path.dirname(HERE), "src", "dsv4_sparse_attn")
+    h = hashlib.sha256()
+    for dirpath, dirnames, files in sorted(os.walk(root)):
+        dirnames.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(dirpath, name)
+            h.update(os.path.relpath(path, root).replace(os.sep, "/").encode() + b"\0")
+            with open(path, "rb") as f:
+                h.update(f.read() + b"\0")
+    return h.hexdigest()
+
+
 def slug(s):
     return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-")
 
@@ -466,6 +483,7 @@ def document(kind, settings, quick):
         "timestamp": now.isoformat(timespec="seconds"),
         "commit": commit,
         "commit_dirty": dirty,
+        "source_sha256": source_digest(),
         "gpu": {"name": props.name, "sm_count": props.multi_processor_count,
                 "capability": f"{props.major}.{props.minor}", "memory_gib": props.total_memory / GIB},
         "versions": {"torch": torch.__version__, "triton": triton.__version__,
@@ -508,6 +526,8 @@ def parse_args(argv=None):
                     help="comma-separated T (table default 4096; the sweep keeps the rows with these T)")
     ap.add_argument("--D", type=int, default=512)
     ap.add_argument("--quick", action="store_true", help="a reduced set with short timings, for smoke runs")
+    ap.add_argument("--source-digest", action="store_true",
+                    help="print the package source's sha256 (what results record as source_sha256) and exit")
     ap.add_argument("--no-torch", action="store_true", help="leave out plain PyTorch")
     ap.add_argument("--no-v32", action="store_true",
                     help="leave out the 576/512 rows of the default table (also left out with --quick "
@@ -541,6 +561,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     a = parse_args(argv)
+    if a.source_digest:
+        print(source_digest())
+        return
     require_cuda("bench.py")
     sys.path.insert(0, HERE)
     import report  # the tables (benchmarks/report.py: the standard library only)

@@ -206,3 +206,25 @@ def test_bench_gives_slow_calls_five_flushed_samples(monkeypatch):
     ms = iter([50.0, 61.0, 55.0, 70.0, 52.0, 58.0])  # 50 ms: 4 samples, too few
     assert bench.bench(lambda: calls.append(1), 50, 200) == 58.0  # (median of the last five)
     assert len(zeroed) == bench.SLOW_CALLS == 5 and bench.MIN_SAMPLES == 5
+
+
+def test_source_digest_names_the_code(tmp_path):
+    """Results record ``source_sha256`` of the package's .py files: the same for the same
+    files in any walk order, different when a file's content or name changes; other files
+    do not count."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench
+    finally:
+        sys.path.pop(0)
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "kernels" / "b.py").write_text("y = 2\n")
+    d0 = bench.source_digest(str(tmp_path))
+    (tmp_path / "notes.txt").write_text("not code")
+    assert bench.source_digest(str(tmp_path)) == d0
+    (tmp_path / "kernels" / "b.py").write_text("y = 3\n")
+    d1 = bench.source_digest(str(tmp_path))
+    (tmp_path / "kernels" / "b.py").rename(tmp_path / "kernels" / "c.py")
+    assert len({d0, d1, bench.source_digest(str(tmp_path))}) == 3
+    assert len(bench.source_digest()) == 64  # (the package itself)
