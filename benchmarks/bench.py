@@ -397,6 +397,10 @@ def sweep_row(T, H, K, ids, D, timing, peer=None, with_torch=True):
             f = peer.make_bwd(q, kv, idx, sink, scale, out, lse, do)
             dq, dkv, dsink = f()
             r = measure(f, fl_b, timing)
+            # which of the kit's main kernels ran: one built for this (H, K) or the generic
+            # length kernel (the adapter's choice; None where the adapter does not say)
+            name_of = getattr(peer, "_main_name", None)
+            r["kernel"] = name_of(H, K, False)[0] if callable(name_of) else None
             r["cos_dkv"] = {m: cosine(dkv, ours[m][0]) for m, _ in MODES}
             if dsink is not None:
                 r["cos_dsink"] = {m: cosine(dsink, ours[m][1]) for m, _ in MODES}
@@ -580,7 +584,9 @@ def main(argv=None):
                     "timing_ms": {"warmup": timing[0], "rep": timing[1], "min_samples": MIN_SAMPLES,
                                   "slow_calls": SLOW_CALLS},
                     "torch_rows_limit_gib": TORCH_ROWS_LIMIT / GIB,
-                    "cudnn": a.cudnn, "cudnn_error": peer_error}
+                    "cudnn": a.cudnn, "cudnn_error": peer_error,
+                    # the kit's build (the frontend release and compiler it was built from)
+                    "cudnn_build": getattr(peer, "MANIFEST", {}).get("source") if peer else None}
         doc = document("backward_sweep", settings, a.quick)
     else:
         rows = [(T, *SHAPES[i], a.D, None) for T in (a.Ts or [4096]) for i in a.shape_rows]

@@ -141,6 +141,7 @@ def test_backward_sweep_times_ours_and_cudnn_in_both_orders(monkeypatch):
     assert row["deterministic"]["ms_passes"] == [6.0, 6.5] and row["deterministic"]["ms"] == 6.0
     assert row["cudnn"]["ms_passes"] == [7.0, 3.0] and row["cudnn"]["ms"] == 3.0
     assert row["torch"]["ms_passes"] == [9.0, 8.0] and row["torch"]["ms"] == 8.0
+    assert row["cudnn"]["kernel"] is None  # (a stand-in peer names no kernel)
     assert row["speedups"]["fast_vs_cudnn"] == 3.0 / 4.0
     assert abs(row["cudnn"]["cos_dkv"]["fast"] - 1) < 1e-6
 
