@@ -371,6 +371,7 @@ def plot(png: str, table=None, sweep=None) -> str:
         # (cuDNN's bars next to ours from the same run: the sweep's ids and inputs differ
         # from the table's, and tables from different runs are not compared)
         if table is not None:
+            bwd = [(f"{name} (table)", v, c, h) for name, v, c, h in bwd[:2]] + bwd[2:]
             bwd.append(("ours, fast (backward sweep)", series(lambda hk: sweep_hk[hk]["fast"]["tflops"]),
                         "#1b5e20", False))
         bwd.append((f"{CUDNN} (measured {sweep['date']})", measured, "#e67e22", False))
@@ -408,12 +409,14 @@ def plot(png: str, table=None, sweep=None) -> str:
                  f"torch {v['torch']}, triton {v['triton']}", fontsize=12)
     notes = []
     if table is not None:
-        notes.append(f"ours and plain PyTorch forward: {os.path.basename(table.get('_path', 'table'))} "
+        notes.append(f"forward, and backward 'ours': {os.path.basename(table.get('_path', 'table'))} "
                      "(uniform pool ids)")
     if sweep is not None:
-        notes.append(f"backward sweep: {os.path.basename(sweep.get('_path', 'sweep'))} (distinct pool ids)")
+        notes.append(f"backward sweep (plain PyTorch, cuDNN, ours beside it): "
+                     f"{os.path.basename(sweep.get('_path', 'sweep'))} (distinct pool ids)")
     notes.append(f"hatched: {ANCHOR_NOTE} (H200, distinct pool ids)")
-    fig.supxlabel("; ".join(notes), fontsize=8, color="#444444")
+    # (one note a line: on one line they ran past the figure's width and were cut off)
+    fig.supxlabel("\n".join(notes), fontsize=8, color="#444444")
     os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
     fig.savefig(png, dpi=110)
     return png
