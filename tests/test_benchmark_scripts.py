@@ -104,17 +104,23 @@ def test_best_of_ab_gives_every_arm_an_early_and_a_late_place():
     assert got == {"a": 0.5, "b": 2.0, "c": 1.0}
 
 
+def _bench_module():
+    """benchmarks/bench.py loaded afresh as a module (for its functions, on the CPU)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_under_test", os.path.join(BENCHMARKS, "bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 @pytest.mark.filterwarnings("ignore:dsv4.sparse_mla")  # (the kernel's name looked up for CPU tensors)
 def test_backward_sweep_times_ours_and_cudnn_in_both_orders(monkeypatch):
     """``bench.py --backward-sweep``'s row: our two modes, plain PyTorch and cuDNN's backward
     timed twice, the second pass in reverse order (cuDNN first), each keeping its better time (an arm's
     place in a pass moved one build's time by up to 5.6%). Run on the CPU with the timer,
     the inputs' device and the memory reading replaced, and a stand-in peer."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_under_test", os.path.join(BENCHMARKS, "bench.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_module()
     order, times = [], iter([5.0, 6.0, 9.0, 7.0, 3.0, 8.0, 6.5, 4.0])
 
     def timer(fn, warmup=0, rep=0):
@@ -150,11 +156,7 @@ def test_plain_pytorch_baseline_matches_the_oracle():
     """bench.py's plain PyTorch arm computes the op (masked, out-of-range and causal -1 ids,
     the sink) in forward and backward: float64 against the reference (its softmax runs in
     fp32, hence 1e-6)."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import bench
-    finally:
-        sys.path.pop(0)
+    bench = _bench_module()
     from dsv4_sparse_attn.testing import deepseek_indices, oracle_bwd, oracle_fwd
 
     T, H, D, N, K = 40, 4, 64, 60, 32
@@ -177,11 +179,7 @@ def test_bench_gives_slow_calls_five_flushed_samples(monkeypatch):
     (slower than rep / MIN_SAMPLES) is the median of SLOW_CALLS event-timed calls, the L2
     flush buffer zeroed before each; a faster one goes to do_bench. CPU stand-ins for the
     events, the flush buffer and do_bench."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import bench
-    finally:
-        sys.path.pop(0)
+    bench = _bench_module()
     ms = iter([])
 
     class Event:
@@ -213,11 +211,7 @@ def test_source_digest_names_the_code(tmp_path):
     """Results record ``source_sha256`` of the package's .py files: the same for the same
     files in any walk order, different when a file's content or name changes; other files
     do not count."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import bench
-    finally:
-        sys.path.pop(0)
+    bench = _bench_module()
     (tmp_path / "kernels").mkdir()
     (tmp_path / "a.py").write_text("x = 1\n")
     (tmp_path / "kernels" / "b.py").write_text("y = 2\n")
