@@ -468,35 +468,41 @@ def test_exact_sums_only_where_asked_and_built(monkeypatch):
 
 def test_kernels_launch_with_the_tensors_gpu_current(monkeypatch):
     """Triton launches on the current GPU's current stream, and a torch.library kernel is
-    entered without a device guard: both directions run their kernels inside
-    ``dispatch.on_device(q)`` (``torch.cuda.device(q.device)`` for a CUDA tensor)."""
+    entered without a device guard: ``_run`` runs the kernel inside
+    ``dispatch.on_device(call.device)`` (``torch.cuda.device`` for a CUDA device), the
+    reference outside it, and both directions describe the call by q's device."""
     import contextlib
-    import types
 
+    from dsv4_sparse_attn.kernels.common import Call
     from dsv4_sparse_attn.validation import check_backward, check_forward
 
-    cuda1 = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))
-    assert dispatch.on_device(cuda1).idx == 1  # (built without touching a GPU)
-    assert isinstance(dispatch.on_device(torch.zeros(1)), contextlib.nullcontext)
+    assert dispatch.on_device(torch.device("cuda", 1)).idx == 1  # (built without touching a GPU)
+    assert isinstance(dispatch.on_device(torch.device("cpu")), contextlib.nullcontext)
 
     inside = []
 
     @contextlib.contextmanager
-    def recorded(t):
-        inside.append(t)
+    def recorded(device):
+        inside.append(device)
         yield
         inside.pop()
 
     monkeypatch.setattr(dispatch, "on_device", recorded)
-    monkeypatch.setattr(dispatch, "_run", lambda direction, *_: (direction, list(inside)))
+    call = Call(torch.device("cuda", 1), torch.bfloat16, 512, 64)
+    monkeypatch.setattr(dispatch, "choose", lambda direction, call: ("triton", backward_triton))
+    assert dispatch._run("backward", call, lambda mod: list(inside), None) == [call.device]
+    monkeypatch.setattr(dispatch, "choose", lambda direction, call: (dispatch.REFERENCE, None))
+    assert dispatch._run("backward", call, None, lambda: list(inside)) == []
+    assert not inside
+
+    monkeypatch.setattr(dispatch, "_run", lambda direction, call, *_: (direction, call.device))
     q, kv = torch.randn(3, 2, 8), torch.randn(5, 8)
     idx = torch.zeros(3, 4, dtype=torch.int32)
     out, lse = torch.zeros(3, 2, 8), torch.zeros(3, 2)
     p = check_forward(q, kv, idx, None, None)
-    assert dispatch.forward(q, kv, idx, None, p) == ("forward", [q])
+    assert dispatch.forward(q, kv, idx, None, p) == ("forward", q.device)
     p = check_backward(out, None, q, kv, out, lse, idx, None, None)
-    assert dispatch.backward(out, None, q, kv, out, lse, idx, None, p) == ("backward", [q])
-    assert not inside
+    assert dispatch.backward(out, None, q, kv, out, lse, idx, None, p) == ("backward", q.device)
 
 
 def test_kernels_allocate_without_the_deterministic_fill(monkeypatch):
@@ -511,26 +517,29 @@ def test_kernels_allocate_without_the_deterministic_fill(monkeypatch):
             raise RuntimeError("out of memory")
         return "kernel"
 
+    from dsv4_sparse_attn.kernels.common import Call
+
+    call = Call(torch.device("cpu"), torch.bfloat16, 512, 64)
     triton_first = lambda direction, call: ("triton", backward_triton)  # noqa: E731
     monkeypatch.setattr(dispatch, "choose", triton_first)
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         assert torch.utils.deterministic.fill_uninitialized_memory
-        assert dispatch._run("backward", None, kernel, None) == "kernel"
+        assert dispatch._run("backward", call, kernel, None) == "kernel"
         assert seen["kernel"] is False and torch.utils.deterministic.fill_uninitialized_memory
         seen["raise"] = True
         with pytest.raises(RuntimeError, match="out of memory"):
-            dispatch._run("backward", None, kernel, None)
+            dispatch._run("backward", call, kernel, None)
         assert torch.utils.deterministic.fill_uninitialized_memory
         monkeypatch.setattr(dispatch, "choose", lambda direction, call: (dispatch.REFERENCE, None))
-        assert dispatch._run("backward", None, None,
+        assert dispatch._run("backward", call, None,
                              lambda: torch.utils.deterministic.fill_uninitialized_memory) is True
     finally:
         torch.use_deterministic_algorithms(prev)
     monkeypatch.setattr(dispatch, "choose", triton_first)
     seen.clear()
-    dispatch._run("backward", None, kernel, None)
+    dispatch._run("backward", call, kernel, None)
     assert seen["kernel"] is True  # (deterministic algorithms off: the flag is left alone)
 
 

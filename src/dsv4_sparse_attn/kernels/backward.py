@@ -555,6 +555,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     ``exact`` (deterministic mode): the exact two-word sums (True) or the partial rows and
     their fold (False); None: ``exact_sums_apply``'s default; True in the fast mode is an
     error."""
+    if exact and not deterministic:  # (the fast mode's fp32 sums have no exact form to take)
+        raise ValueError("exact sums are a deterministic-mode option; the fast mode got exact=True")
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     # (q, kv and dO as the Gluon kernel's 16-byte gathers need them: a copy only where a base
@@ -565,8 +567,6 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     dev = q.device
     n_hb = triton.cdiv(H, main.tile_heads(D, H))
     k_stride = main.partial_slots(K)
-    if exact and not deterministic:  # (the fast mode's fp32 sums have no exact form to take)
-        raise ValueError("exact sums are a deterministic-mode option; the fast mode got exact=True")
     exact = deterministic and exact_sums_apply(main, q, grad_out, exact)
     one_launch = not deterministic or exact  # (the whole of T in one main launch, no partial rows)
     paired = main.pairs_head_blocks(n_hb, deterministic and not exact)

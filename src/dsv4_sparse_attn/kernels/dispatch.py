@@ -143,14 +143,15 @@ def _is_build_error(e: Exception) -> bool:
 
 
 def _run(direction: str, call: Call, run_kernel, run_reference):
-    """Run ``call`` with the chosen kernel; a Gluon build failure drops that kernel (once,
-    with a warning) and retries with the next candidate."""
+    """Run ``call`` with the chosen kernel, on its tensors' GPU (``on_device``) and without
+    the deterministic NaN fill (``unfilled_allocations``); a Gluon build failure drops that
+    kernel (once, with a warning) and retries with the next candidate."""
     while True:
         name, mod = choose(direction, call)
         if mod is None:
             return run_reference()
         try:
-            with unfilled_allocations():
+            with on_device(call.device), unfilled_allocations():
                 return run_kernel(mod)
         except Exception as e:  # compilation errors surface at the first launch
             if name != "gluon_sm90" or not _is_build_error(e) or _forced.get(direction) == name:
@@ -169,12 +170,13 @@ def _no_work(p) -> bool:
     return min(p.T, p.H, p.K, p.N) == 0
 
 
-def on_device(t: torch.Tensor):
-    """The context a call's launches need: its tensors' GPU made current. Triton launches on
+def on_device(device: torch.device):
+    """The context a call's kernels run in: its tensors' GPU made current. Triton launches on
     the current device's current stream, and a torch.library kernel is not entered under a
     device guard, so a call on cuda:1 while cuda:0 is current would otherwise run its kernels
-    on GPU 0, unordered with the PyTorch work (memsets, sorts) it queues on GPU 1's stream."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    on GPU 0, unordered with the PyTorch work (memsets, sorts) it queues on GPU 1's stream.
+    (The reference needs none: PyTorch's own ops guard themselves.)"""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -210,11 +212,10 @@ def forward(q, kv, indices, attn_sink, p, topk_length=None):
         return run_reference()
     topk_length = _dense(topk_length)
     call = Call.of(q, d_v=p.d_v, has_len=p.has_len)
-    with on_device(q):
-        return _run("forward", call,
-                    lambda mod: mod.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale,
-                                                   topk_length=topk_length, d_v=p.d_v),
-                    run_reference)
+    return _run("forward", call,
+                lambda mod: mod.sparse_mla_fwd(q, kv, indices, attn_sink, p.scale,
+                                               topk_length=topk_length, d_v=p.d_v),
+                run_reference)
 
 
 def backward(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p, topk_length=None):
@@ -227,9 +228,8 @@ def backward(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, p, topk_le
     topk_length = _dense(topk_length)
     det = deterministic_backward()
     call = Call.of(q, det, d_v=p.d_v, has_len=p.has_len)
-    with on_device(q):
-        return _run("backward", call,
-                    lambda mod: _backward.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices,
-                                                         attn_sink, p.scale, main=mod, deterministic=det,
-                                                         topk_length=topk_length),
-                    run_reference)
+    return _run("backward", call,
+                lambda mod: _backward.sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices,
+                                                     attn_sink, p.scale, main=mod, deterministic=det,
+                                                     topk_length=topk_length),
+                run_reference)
