@@ -1,0 +1,170 @@
+"""The fast backward with part of its fp32 dKV accumulator (or of kv) in the L2's persisting
+set-aside (an access-policy window on the stream for the main kernel's launch, through the
+driver API), against the shipped launch, A, B, A, B in one process.
+
+    PYTHONPATH=src:tests python benchmarks/experiments/l2_persist_bench.py > l2_persist.jsonl
+
+Why: at T = 131072 with causal ids the accumulator's pool rows (32k rows, 64 MB) and kv's
+(32 MB) are twice the L2, and the fast mode keeps 0.78 of its T = 4096 TFLOPS against the
+issue's 0.9; ncu puts its misses above cuDNN's (reductions 15-18% against 11%;
+docs/performance/backward.md#the-l2-at-long-contexts-next-to-cudnn-ncu), and neither L2
+hint tried (evict-last on the reductions, kept; evict-first on q and dO after landing) made
+up the gap. A reduction that misses costs a line read and a dirty line written back; a
+gather that misses one read: so a persisting set-aside that holds accumulator lines first
+should move fewer bytes through HBM than the LRU's even mix. At T = 32768 (distinct ids)
+the pool's 8k rows (16 MB) fit beside the window's working set either way.
+
+Prediction: 3-8% less time at T = 131072 H64 K640 causal with the pool accumulator
+persisting (hit ratio the set-aside over the window's bytes), less or none with kv's pool
+persisting instead, nothing at T = 4096 (everything fits) or T = 32768.
+
+Arms (fast mode, Gluon main kernel): ``plain`` (shipped: evict-last reductions where the
+accumulator outgrows the L2), ``acc_pool`` (window over the accumulator's pool rows
+[T, N)), ``acc_pool_no_evict`` (the same, reductions without evict-last), ``kv_pool``
+(window over kv's pool rows). grad_kv of each arm against ``plain``'s (fp32 atomics: equal
+up to the order of the adds).
+"""
+import contextlib
+import ctypes
+import json
+import os
+
+import torch
+import triton
+
+import dsv4_sparse_attn  # noqa: F401
+from dsv4_sparse_attn import testing
+from dsv4_sparse_attn.kernels import backward as kbwd
+from dsv4_sparse_attn.kernels import backward_gluon
+
+dev, D = "cuda", 512
+ROWS = [(4096, 64, 640, "distinct"), (32768, 64, 640, "distinct"), (131072, 64, 640, "causal"),
+        (32768, 128, 1152, "distinct"), (131072, 128, 1152, "causal")]
+# L2P_ROWS="2,0": rows of ROWS (default the first three); L2P_REPS: A, B passes (default 2)
+ROWS = [ROWS[int(i)] for i in os.environ.get("L2P_ROWS", "2,0,1").split(",")]
+REPS = int(os.environ.get("L2P_REPS", "2"))
+
+_cu = ctypes.CDLL("libcuda.so.1")
+CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 0x06
+CU_STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW = 1
+CU_ACCESS_PROPERTY_NORMAL, CU_ACCESS_PROPERTY_PERSISTING = 0, 2
+CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE = 38
+CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE = 108
+CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE = 109
+
+
+class _Window(ctypes.Structure):  # CUaccessPolicyWindow
+    _fields_ = [("base_ptr", ctypes.c_void_p), ("num_bytes", ctypes.c_size_t), ("hitRatio", ctypes.c_float),
+                ("hitProp", ctypes.c_int), ("missProp", ctypes.c_int)]
+
+
+class _AttrValue(ctypes.Union):  # CUstreamAttrValue (CUlaunchAttributeValue: 64 bytes)
+    _fields_ = [("accessPolicyWindow", _Window), ("pad", ctypes.c_char * 64)]
+
+
+def _check(rc, what):
+    if rc != 0:
+        raise RuntimeError(f"{what}: CUresult {rc}")
+
+
+def _attr(a):
+    v = ctypes.c_int()
+    _check(_cu.cuDeviceGetAttribute(ctypes.byref(v), a, torch.cuda.current_device()), f"attribute {a}")
+    return v.value
+
+
+def set_window(stream, ptr=0, nbytes=0, hit_ratio=0.0):
+    v = _AttrValue()
+    w = v.accessPolicyWindow
+    w.base_ptr, w.num_bytes, w.hitRatio = ptr, nbytes, hit_ratio
+    w.hitProp = CU_ACCESS_PROPERTY_PERSISTING if nbytes else CU_ACCESS_PROPERTY_NORMAL
+    w.missProp = CU_ACCESS_PROPERTY_NORMAL
+    _check(_cu.cuStreamSetAttribute(ctypes.c_void_p(stream.cuda_stream),
+                                    CU_STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW, ctypes.byref(v)),
+           "cuStreamSetAttribute")
+
+
+L2 = _attr(CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+MAX_PERSIST = _attr(CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE)
+MAX_WINDOW = _attr(CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE)
+print(json.dumps(dict(gpu=torch.cuda.get_device_name(), l2=L2, max_persist=MAX_PERSIST,
+                      max_window=MAX_WINDOW)), flush=True)
+
+_launch = backward_gluon.launch
+_target = {}  # what the wrapped launch puts in the window: "acc" or "kv" (pool rows from T_POOL)
+
+
+def _windowed_launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, *rest, **kw):
+    stream = torch.cuda.current_stream()
+    t = _target.get("what")
+    if t:
+        x = acc if t == "acc" else kv
+        row0 = q.shape[0]  # (the pool rows follow the T raw rows)
+        ptr = x.data_ptr() + row0 * x.stride(0) * x.element_size()
+        nbytes = min(MAX_WINDOW, (x.shape[0] - row0) * x.stride(0) * x.element_size())
+        set_window(stream, ptr, nbytes, min(1.0, MAX_PERSIST / nbytes))
+    try:
+        return _launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, *rest, **kw)
+    finally:
+        if t:
+            set_window(stream)  # (the launch has its attributes: later launches get none)
+
+
+@contextlib.contextmanager
+def arm(what):
+    _target["what"] = what
+    if what:
+        limit = ctypes.c_size_t(MAX_PERSIST)
+        _check(_cu.cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, limit), "cuCtxSetLimit")
+    try:
+        yield
+    finally:
+        _target.clear()
+        if what:
+            torch.cuda.synchronize()
+            _check(_cu.cuCtxResetPersistingL2Cache(), "cuCtxResetPersistingL2Cache")
+            _check(_cu.cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, ctypes.c_size_t(0)), "limit 0")
+
+
+def relerr(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+backward_gluon.launch = _windowed_launch
+stream = torch.cuda.Stream()  # (a stream of our own: the legacy default stream takes no attributes)
+ARMS = [("plain", None, None), ("acc_pool", "acc", None), ("acc_pool_no_evict", "acc", False),
+        ("kv_pool", "kv", None)]
+with torch.cuda.stream(stream):
+    for T, H, K, ids in ROWS:
+        torch.manual_seed(0)
+        n_pool = max(T // 4, K)
+        g = torch.Generator(device=dev).manual_seed(0)
+        idx = testing.deepseek_indices(T, K, n_pool=n_pool, pool=ids, device=dev, generator=g)
+        q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
+        kv = torch.randn(T + n_pool, D, device=dev, dtype=torch.bfloat16)
+        sink = torch.randn(H, device=dev)
+        out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
+        do = torch.randn_like(out)
+
+        def run(ev):
+            return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
+                                       main=backward_gluon, deterministic=False, evict_last=ev)
+
+        r = dict(T=T, H=H, K=K, ids=ids, acc_pool_mb=round(n_pool * D * 4 / 2**20, 1))
+        ref = run(None)[1].float()
+        for name, what, ev in ARMS[1:]:
+            with arm(what):
+                r[f"{name}_err_dkv"] = relerr(run(ev)[1].float(), ref)
+        ref = None
+        fl = 10 * T * H * K * D
+        for rep in range(REPS):
+            for name, what, ev in (ARMS if rep % 2 == 0 else ARMS[::-1]):
+                with arm(what):
+                    ms = triton.testing.do_bench(lambda: run(ev), warmup=3 if T <= 32768 else 1,
+                                                 rep=60 if T <= 32768 else 700, return_mode="median")
+                r[f"{name}_ms_{rep}"] = round(ms, 4)
+                r[f"{name}_tflops_{rep}"] = round(fl / ms * 1e-9, 1)
+        print(json.dumps(r), flush=True)
+        q = kv = idx = out = lse = do = None
+        torch.cuda.empty_cache()
