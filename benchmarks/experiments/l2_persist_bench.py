@@ -20,9 +20,13 @@ persisting instead, nothing at T = 4096 (everything fits) or T = 32768.
 
 Arms (fast mode, Gluon main kernel): ``plain`` (shipped: evict-last reductions where the
 accumulator outgrows the L2), ``acc_pool`` (window over the accumulator's pool rows
-[T, N)), ``acc_pool_no_evict`` (the same, reductions without evict-last), ``kv_pool``
-(window over kv's pool rows). grad_kv of each arm against ``plain``'s (fp32 atomics: equal
-up to the order of the adds).
+[T, N), hit ratio the set-aside over the window), ``acc_head`` (window over the pool's
+first rows, as many as the set-aside holds, hit ratio 1), ``acc_all`` (window over the
+whole accumulator, up to the largest window), ``limit_only`` (the set-aside reserved, no
+window). First run (31f5563, H100) also had ``acc_pool_no_evict`` (the reductions without
+evict-last: +18% at T = 131072) and ``kv_pool`` (window over kv's pool rows: -4% at
+T = 131072, +50% at T = 32768). grad_kv of each arm against ``plain``'s (fp32 atomics:
+equal up to the order of the adds).
 """
 import contextlib
 import ctypes
@@ -40,8 +44,8 @@ from dsv4_sparse_attn.kernels import backward_gluon
 dev, D = "cuda", 512
 ROWS = [(4096, 64, 640, "distinct"), (32768, 64, 640, "distinct"), (131072, 64, 640, "causal"),
         (32768, 128, 1152, "distinct"), (131072, 128, 1152, "causal")]
-# L2P_ROWS="2,0": rows of ROWS (default the first three); L2P_REPS: A, B passes (default 2)
-ROWS = [ROWS[int(i)] for i in os.environ.get("L2P_ROWS", "2,0,1").split(",")]
+# L2P_ROWS="2,0": rows of ROWS (default 2,1,4); L2P_REPS: A, B passes (default 2)
+ROWS = [ROWS[int(i)] for i in os.environ.get("L2P_ROWS", "2,1,4").split(",")]
 REPS = int(os.environ.get("L2P_REPS", "2"))
 
 _cu = ctypes.CDLL("libcuda.so.1")
@@ -97,16 +101,19 @@ _target = {}  # what the wrapped launch puts in the window: "acc" or "kv" (pool 
 def _windowed_launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, *rest, **kw):
     stream = torch.cuda.current_stream()
     t = _target.get("what")
-    if t:
-        x = acc if t == "acc" else kv
-        row0 = q.shape[0]  # (the pool rows follow the T raw rows)
+    if t and t != "limit":
+        what, part = t.split("_")
+        x = acc if what == "acc" else kv
+        row0 = q.shape[0] if part != "all" else 0  # (the pool rows follow the T raw rows)
         ptr = x.data_ptr() + row0 * x.stride(0) * x.element_size()
         nbytes = min(MAX_WINDOW, (x.shape[0] - row0) * x.stride(0) * x.element_size())
+        if part == "head":  # the pool's first rows (causal ids: the most selected), all persisting
+            nbytes = min(nbytes, MAX_PERSIST)
         set_window(stream, ptr, nbytes, min(1.0, MAX_PERSIST / nbytes))
     try:
         return _launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, *rest, **kw)
     finally:
-        if t:
+        if t and t != "limit":
             set_window(stream)  # (the launch has its attributes: later launches get none)
 
 
@@ -133,8 +140,8 @@ def relerr(a, b):
 
 backward_gluon.launch = _windowed_launch
 stream = torch.cuda.Stream()  # (a stream of our own: the legacy default stream takes no attributes)
-ARMS = [("plain", None, None), ("acc_pool", "acc", None), ("acc_pool_no_evict", "acc", False),
-        ("kv_pool", "kv", None)]
+ARMS = [("plain", None, None), ("acc_pool", "acc_pool", None), ("acc_head", "acc_head", None),
+        ("acc_all", "acc_all", None), ("limit_only", "limit", None)]
 with torch.cuda.stream(stream):
     for T, H, K, ids in ROWS:
         torch.manual_seed(0)
