@@ -355,6 +355,74 @@ def test_gluon_backward_with_evict_last_reductions_matches_reference(monkeypatch
     check_backward(case, DEV, deterministic=False, main=main)
 
 
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+def test_fast_backward_under_the_l2_window_matches_reference(monkeypatch, gluon):
+    """The fast mode's main launch with the accumulator's pool rows in the L2's persisting
+    set-aside and the epilogue's window giving them back (the default where the
+    accumulator is ``L2_PERSIST_MIN_L2`` times the L2; here at every size): both windows
+    set on this GPU, then against the float64 oracle; the stream keeps no window after."""
+    import contextlib
+
+    from dsv4_sparse_attn.kernels import l2_policy
+
+    main = _main(gluon)
+    monkeypatch.setattr(kbwd, "L2_PERSIST_MIN_L2", 0)
+    set_ = []
+    window = l2_policy.window
+
+    @contextlib.contextmanager
+    def recorded(t, persist=True):
+        with window(t, persist) as on:
+            set_.append((persist, on, t.shape[0]))
+            yield on
+
+    monkeypatch.setattr(l2_policy, "window", recorded)
+    case = Case(300, 64, 512, 900, 640, ids="deepseek")
+    check_backward(case, DEV, deterministic=False, main=main)
+    assert set_ == [(True, True, 600), (False, True, 600)], (set_, l2_policy.unavailable())
+    assert l2_policy._get_window(torch.cuda.current_stream()).accessPolicyWindow.num_bytes == 0
+
+
+def test_fast_backward_under_the_l2_window_in_a_cuda_graph(monkeypatch):
+    """Captured with the windows on (the set-aside reserved by an eager call first; without
+    it no window is set during a capture) and replayed: the same gradients as eager, up to
+    the order of the fast mode's fp32 adds."""
+    from kernel_checks import TOL
+
+    from dsv4_sparse_attn.kernels import l2_policy
+
+    monkeypatch.setattr(kbwd, "L2_PERSIST_MIN_L2", 0)
+    case = Case(300, 64, 512, 900, 640, ids="deepseek")
+    q, kv, idx, sink = make_case(case, DEV)
+    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink)
+    do = torch.randn_like(out)
+
+    def bwd():
+        return torch.ops.dsv4.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink)
+
+    dsv4_sparse_attn.set_deterministic_backward(False)
+    try:
+        for reserved in (False, True):
+            eager = bwd()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                bwd()  # (warm-up on the capture stream)
+            torch.cuda.current_stream().wait_stream(s)
+            if not reserved:  # (as in a process whose first call is captured)
+                monkeypatch.setattr(l2_policy, "_limits", {})
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                got = bwd()
+            assert bool(l2_policy._limits) == reserved  # (nothing reserved during a capture)
+            graph.replay()
+            torch.cuda.synchronize()
+            for a, b in zip(got, eager):
+                assert relerr(a, b) < TOL[BF]["grad"] / 10
+    finally:
+        dsv4_sparse_attn.set_deterministic_backward(None)
+
+
 @pytest.mark.parametrize("dq", [0, 1], ids=["dq_stores", "dq_tma_q"])
 @pytest.mark.parametrize("split", [0, 1, 2], ids=["unsplit", "single", "double"])
 @pytest.mark.parametrize("case", _EARLY_CASES + [Case(300, 64, 512, 900, 640, ids="deepseek", lengths=True),

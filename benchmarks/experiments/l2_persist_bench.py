@@ -23,7 +23,8 @@ accumulator outgrows the L2), ``acc_pool`` (window over the accumulator's pool r
 [T, N), hit ratio the set-aside over the window), ``acc_head`` (window over the pool's
 first rows, as many as the set-aside holds, hit ratio 1), ``acc_all`` (window over the
 whole accumulator, up to the largest window), ``limit_only`` (the set-aside reserved, no
-window). First run (31f5563, H100) also had ``acc_pool_no_evict`` (the reductions without
+window), ``shipped`` (``backward.persist_rows``'s rule and window, the epilogue's window
+giving the lines back). First run (31f5563, H100) also had ``acc_pool_no_evict`` (the reductions without
 evict-last: +18% at T = 131072) and ``kv_pool`` (window over kv's pool rows: -4% at
 T = 131072, +50% at T = 32768). grad_kv of each arm against ``plain``'s (fp32 atomics:
 equal up to the order of the adds).
@@ -39,7 +40,7 @@ import triton
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn import testing
 from dsv4_sparse_attn.kernels import backward as kbwd
-from dsv4_sparse_attn.kernels import backward_gluon
+from dsv4_sparse_attn.kernels import backward_gluon, l2_policy
 
 dev, D = "cuda", 512
 ROWS = [(4096, 64, 640, "distinct"), (32768, 64, 640, "distinct"), (131072, 64, 640, "causal"),
@@ -117,8 +118,17 @@ def _windowed_launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, *rest, *
             set_window(stream)  # (the launch has its attributes: later launches get none)
 
 
+SHIPPED_MIN_L2 = kbwd.L2_PERSIST_MIN_L2
+
+
 @contextlib.contextmanager
 def arm(what):
+    # (the shipped rule, ``backward.persist_rows``, only in the "shipped" arm, which reserves
+    # the set-aside itself: ``l2_policy`` forgets it has, since each arm gives it back)
+    shipped = what == "shipped"
+    kbwd.L2_PERSIST_MIN_L2 = SHIPPED_MIN_L2 if shipped else float("inf")
+    l2_policy._limits.clear()
+    what = None if shipped else what
     _target["what"] = what
     if what:
         limit = ctypes.c_size_t(MAX_PERSIST)
@@ -127,7 +137,7 @@ def arm(what):
         yield
     finally:
         _target.clear()
-        if what:
+        if what or shipped:
             torch.cuda.synchronize()
             _check(_cu.cuCtxResetPersistingL2Cache(), "cuCtxResetPersistingL2Cache")
             _check(_cu.cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, ctypes.c_size_t(0)), "limit 0")
@@ -141,7 +151,7 @@ def relerr(a, b):
 backward_gluon.launch = _windowed_launch
 stream = torch.cuda.Stream()  # (a stream of our own: the legacy default stream takes no attributes)
 ARMS = [("plain", None, None), ("acc_pool", "acc_pool", None), ("acc_head", "acc_head", None),
-        ("acc_all", "acc_all", None), ("limit_only", "limit", None)]
+        ("acc_all", "acc_all", None), ("limit_only", "limit", None), ("shipped", "shipped", None)]
 with torch.cuda.stream(stream):
     for T, H, K, ids in ROWS:
         torch.manual_seed(0)

@@ -25,6 +25,7 @@ longest first (``length_order``), so that a chunk's tokens have like lengths.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import exact_sums
+from . import exact_sums, l2_policy
 from .common import LOG2E, aligned16, cuda_properties, last_dim_contiguous, next_pow2
 
 # The deterministic mode's grad_kv sums where the main kernel has them: exact two-word sums
@@ -47,6 +48,11 @@ EXACT_SUMS = False
 # of the backward is this plus O(T*H + N*D) fp32): under the 1 GiB the backward may
 # use, and as large as that allows, since fewer chunks mean fewer partial waves.
 PARTIAL_BYTES = 896 * 2**20
+
+# The fast mode's main launch with part of the fp32 accumulator in the L2's persisting
+# set-aside (``l2_policy.window``) where the accumulator is at least L2_PERSIST_MIN_L2 times
+# the L2; the epilogue's launch gives the lines back (``persist_rows``: which rows).
+L2_PERSIST_MIN_L2 = 4
 
 # The deterministic path inverts the ids of several chunks with one batched stable sort
 # (and one searchsorted): its host work per chunk is then two launches, not a dozen
@@ -609,6 +615,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                     scale * LOG2E, paired, **opts)
 
     dq_jobs = []  # the one-launch modes' remainder dQ parts, summed by the epilogue
+    persisting = persist_rows(acc, T) if T > 0 and not deterministic else None
     if T > 0 and one_launch:
         if exact:  # each kv row's grids, from a bound on its sum (exact_sums)
             codes = exact_sums.row_codes(q, kv, indices, grad_out, delta, scale, topk_length)
@@ -617,7 +624,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             orders = main.schedule(topk_length, T, H, paired, tokens)
         if getattr(main, "DEFERS_DQ_PARTS", False):
             main_options = dict(main_options, dq_parts=dq_jobs)
-        launch(0, T, None, counters[4:] if n_main_flags else None)
+        with l2_policy.window(persisting) if persisting is not None else contextlib.nullcontext():
+            launch(0, T, None, counters[4:] if n_main_flags else None)
     elif T > 0:
         n_sm = cuda_properties(dev).multi_processor_count if dev.type == "cuda" else 0
         chunk = chunk_tokens(T, n_part, k_stride, D, PARTIAL_BYTES, n_sm)
@@ -672,9 +680,25 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                     num_warps=fold_warps,
                 )
 
-    grad_kv, grad_sink = epilogue(acc, kv.dtype, main.ACC_FAKE_ORDER, attn_sink, lse, delta, counters[:1],
-                                  dq_jobs[0] if dq_jobs else None, two_words=exact)
+    # (the epilogue reads every accumulator row: its window gives the persisting lines back)
+    with l2_policy.window(persisting, persist=False) if persisting is not None else contextlib.nullcontext():
+        grad_kv, grad_sink = epilogue(acc, kv.dtype, main.ACC_FAKE_ORDER, attn_sink, lse, delta, counters[:1],
+                                      dq_jobs[0] if dq_jobs else None, two_words=exact)
     return grad_q, grad_kv, grad_sink
+
+
+def persist_rows(acc: torch.Tensor, T: int) -> torch.Tensor | None:
+    """The accumulator rows the fast mode's main launch keeps in the L2's persisting set-aside
+    (None: none): where the accumulator is at least L2_PERSIST_MIN_L2 times the L2, the rows
+    from T on (with DeepSeek-V4's ids the compressed pool after the T raw rows: selected at
+    random over the whole call, while a raw row is selected by a sliding window of
+    consecutive tokens, which the L2 keeps unaided), or all of them where N <= T."""
+    if not acc.is_cuda:
+        return None
+    l2 = getattr(cuda_properties(acc.device), "L2_cache_size", 0)
+    if l2 <= 0 or acc.numel() * acc.element_size() < L2_PERSIST_MIN_L2 * l2:
+        return None
+    return acc[T:] if acc.shape[0] > T else acc
 
 
 def length_order(topk_length: torch.Tensor, K: int) -> torch.Tensor:
