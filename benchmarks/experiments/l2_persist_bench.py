@@ -44,7 +44,7 @@ from dsv4_sparse_attn.kernels import backward_gluon, l2_policy
 
 dev, D = "cuda", 512
 ROWS = [(4096, 64, 640, "distinct"), (32768, 64, 640, "distinct"), (131072, 64, 640, "causal"),
-        (32768, 128, 1152, "distinct"), (131072, 128, 1152, "causal")]
+        (32768, 128, 1152, "distinct"), (131072, 128, 1152, "causal"), (65536, 64, 640, "causal")]
 # L2P_ROWS="2,0": rows of ROWS (default 2,1,4); L2P_REPS: A, B passes (default 2)
 ROWS = [ROWS[int(i)] for i in os.environ.get("L2P_ROWS", "2,1,4").split(",")]
 REPS = int(os.environ.get("L2P_REPS", "2"))
