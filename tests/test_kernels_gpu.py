@@ -384,14 +384,26 @@ def test_fast_backward_under_the_l2_window_matches_reference(monkeypatch, gluon)
 
 
 def test_fast_backward_under_the_l2_window_in_a_cuda_graph(monkeypatch):
-    """Captured with the windows on (the set-aside reserved by an eager call first; without
-    it no window is set during a capture) and replayed: the same gradients as eager, up to
-    the order of the fast mode's fp32 adds."""
+    """Where the fast mode takes the L2 window eagerly, a CUDA-graph capture of the same call
+    sets none (``l2_policy.window`` yields False during a capture) and its replay gives the
+    eager gradients, up to the order of the fast mode's fp32 adds."""
+    import contextlib
+
     from kernel_checks import TOL
 
     from dsv4_sparse_attn.kernels import l2_policy
 
     monkeypatch.setattr(kbwd, "L2_PERSIST_MIN_L2", 0)
+    set_ = []
+    window = l2_policy.window
+
+    @contextlib.contextmanager
+    def recorded(t, persist=True):
+        with window(t, persist) as on:
+            set_.append(on)
+            yield on
+
+    monkeypatch.setattr(l2_policy, "window", recorded)
     case = Case(300, 64, 512, 900, 640, ids="deepseek")
     q, kv, idx, sink = make_case(case, DEV)
     out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink)
@@ -402,23 +414,22 @@ def test_fast_backward_under_the_l2_window_in_a_cuda_graph(monkeypatch):
 
     dsv4_sparse_attn.set_deterministic_backward(False)
     try:
-        for reserved in (False, True):
-            eager = bwd()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                bwd()  # (warm-up on the capture stream)
-            torch.cuda.current_stream().wait_stream(s)
-            if not reserved:  # (as in a process whose first call is captured)
-                monkeypatch.setattr(l2_policy, "_limits", {})
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                got = bwd()
-            assert bool(l2_policy._limits) == reserved  # (nothing reserved during a capture)
-            graph.replay()
-            torch.cuda.synchronize()
-            for a, b in zip(got, eager):
-                assert relerr(a, b) < TOL[BF]["grad"] / 10
+        eager = bwd()
+        assert set_ == [True, True], l2_policy.unavailable()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            bwd()  # (warm-up on the capture stream)
+        torch.cuda.current_stream().wait_stream(s)
+        set_.clear()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = bwd()
+        assert set_ == [False, False]
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(got, eager):
+            assert relerr(a, b) < TOL[BF]["grad"] / 10
     finally:
         dsv4_sparse_attn.set_deterministic_backward(None)
 

@@ -99,7 +99,7 @@ def test_window_sets_nothing_where_it_cannot(driver, monkeypatch):
     with l2_policy.window(gpu_tensor(0)) as on:
         assert not on
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with l2_policy.window(gpu_tensor(1 << 20)) as on:  # (no limit set before a capture: none set in it)
+    with l2_policy.window(gpu_tensor(1 << 20)) as on:  # (none during a CUDA-graph capture)
         assert not on
     assert driver.history == [] and driver.limit_sets == 0
 

@@ -12,7 +12,8 @@ see it once restored); the set-aside is a context-wide limit, reserved the first
 window is used and left reserved (normal accesses use it while no persisting line does);
 the lines are given back by the epilogue, whose launch reads every accumulator row under a
 window that resets them to normal. Through the driver API (ctypes; Triton's launcher takes
-no launch attributes). Where the driver refuses (MPS, MIG, no libcuda) nothing is set.
+no launch attributes). Where the driver refuses (MPS, MIG, no libcuda), and during a CUDA-graph
+capture, nothing is set.
 """
 from __future__ import annotations
 
@@ -103,7 +104,9 @@ def window(t: torch.Tensor, persist: bool = True) -> Iterator[bool]:
     the persisting set-aside (the set-aside over the window's bytes), ``persist=False``
     gives every line it touches back to normal. Yields whether the window is set; the
     stream's previous window is restored after."""
-    if not t.is_cuda or t.numel() == 0 or torch.cuda.is_current_stream_capturing() and not _limits:
+    # (not during a CUDA-graph capture: whether a stream attribute is taken into the
+    # captured kernel nodes, and whether setting one is legal there, is not measured)
+    if not t.is_cuda or t.numel() == 0 or torch.cuda.is_current_stream_capturing():
         yield False
         return
     set_aside, largest = _device_limits(t.device)
