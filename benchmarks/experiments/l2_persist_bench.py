@@ -23,10 +23,11 @@ accumulator outgrows the L2), ``acc_pool`` (window over the accumulator's pool r
 [T, N), hit ratio the set-aside over the window), ``acc_head`` (window over the pool's
 first rows, as many as the set-aside holds, hit ratio 1), ``acc_all`` (window over the
 whole accumulator, up to the largest window), ``limit_only`` (the set-aside reserved, no
-window), ``shipped`` (``backward.persist_rows``'s rule and window, the epilogue's window
-giving the lines back). First run (31f5563, H100) also had ``acc_pool_no_evict`` (the reductions without
-evict-last: +18% at T = 131072) and ``kv_pool`` (window over kv's pool rows: -4% at
-T = 131072, +50% at T = 32768). grad_kv of each arm against ``plain``'s (fp32 atomics:
+window), ``shipped`` (``backward.persist_rows``'s window, the epilogue's window giving the
+lines back; its rule at 4x the L2 where the module leaves it off). The first run (31f5563,
+H100) also had ``acc_pool_no_evict`` (the reductions without evict-last: +18% at
+T = 131072) and ``kv_pool`` (window over kv's pool rows: -4% at T = 131072, +50% at
+T = 32768). grad_kv of each arm against ``plain``'s (fp32 atomics:
 equal up to the order of the adds).
 """
 import contextlib
@@ -118,7 +119,7 @@ def _windowed_launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, *rest, *
             set_window(stream)  # (the launch has its attributes: later launches get none)
 
 
-SHIPPED_MIN_L2 = kbwd.L2_PERSIST_MIN_L2
+SHIPPED_MIN_L2 = 4 if kbwd.L2_PERSIST_MIN_L2 is None else kbwd.L2_PERSIST_MIN_L2
 
 
 @contextlib.contextmanager

@@ -51,8 +51,13 @@ PARTIAL_BYTES = 896 * 2**20
 
 # The fast mode's main launch with part of the fp32 accumulator in the L2's persisting
 # set-aside (``l2_policy.window``) where the accumulator is at least L2_PERSIST_MIN_L2 times
-# the L2; the epilogue's launch gives the lines back (``persist_rows``: which rows).
-L2_PERSIST_MIN_L2 = 4
+# the L2 (None: never); the epilogue's launch gives the lines back (``persist_rows``: which
+# rows). H100 SXM, T = 131072 causal H64 K640 (benchmarks/experiments/l2_persist_bench.py):
+# 98.4 / 98.9 ms against 113.8 / 113.7. Off until the product path is timed on the GPU and
+# what a reserved set-aside costs other kernels is known (every arm with it reserved was
+# 2-6% slower at T = 4096, window or not measured apart;
+# docs/performance/backward.md#the-accumulator-in-the-l2s-persisting-set-aside).
+L2_PERSIST_MIN_L2 = None
 
 # The deterministic path inverts the ids of several chunks with one batched stable sort
 # (and one searchsorted): its host work per chunk is then two launches, not a dozen
@@ -689,14 +694,14 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
 
 def persist_rows(acc: torch.Tensor, T: int) -> torch.Tensor | None:
     """The accumulator rows the fast mode's main launch keeps in the L2's persisting set-aside
-    (None: none): where the accumulator is at least L2_PERSIST_MIN_L2 times the L2, the rows
+    (None: none): where the accumulator is at least L2_PERSIST_MIN_L2 times the L2 (if set), the rows
     from T on (with DeepSeek-V4's ids the compressed pool after the T raw rows: selected at
     random over the whole call, while a raw row is selected by a sliding window of
     consecutive tokens, which the L2 keeps unaided), or all of them where N <= T."""
     if not acc.is_cuda:
         return None
     l2 = getattr(cuda_properties(acc.device), "L2_cache_size", 0)
-    if l2 <= 0 or acc.numel() * acc.element_size() < L2_PERSIST_MIN_L2 * l2:
+    if L2_PERSIST_MIN_L2 is None or l2 <= 0 or acc.numel() * acc.element_size() < L2_PERSIST_MIN_L2 * l2:
         return None
     return acc[T:] if acc.shape[0] > T else acc
 
