@@ -104,6 +104,26 @@ def test_best_of_ab_gives_every_arm_an_early_and_a_late_place():
     assert got == {"a": 0.5, "b": 2.0, "c": 1.0}
 
 
+def test_pool_inputs_are_the_long_context_rows_inputs():
+    """``side_by_side.pool_inputs`` (the L2 experiments' tensors): T raw rows then
+    max(T // 4, K) pool rows; causal pool ids below T + t // 4 or -1; the same tensors
+    for the same arguments; out and lse from the forward (CPU: the reference)."""
+    sys.path.insert(0, os.path.join(BENCHMARKS, "experiments"))
+    try:
+        import side_by_side
+    finally:
+        sys.path.remove(os.path.join(BENCHMARKS, "experiments"))
+    T, H, K, D = 64, 2, 160, 16  # (a window of 128, then 32 pool slots)
+    q, kv, idx, sink, do, out, lse = side_by_side.pool_inputs(T, H, K, "causal", D=D, dev="cpu")
+    assert q.shape == (T, H, D) and kv.shape == (T + K, D) and idx.shape == (T, K)
+    assert do.shape == out.shape == (T, H, D) and lse.shape == (T, H) and sink.shape == (H,)
+    pool = idx[:, 128:].long()
+    t = torch.arange(T)[:, None]
+    assert bool(((pool == -1) | ((pool >= T) & (pool < T + t // 4))).all())
+    again = side_by_side.pool_inputs(T, H, K, "causal", D=D, dev="cpu")
+    assert all(torch.equal(a, b) for a, b in zip((q, kv, idx, do), (again[0], again[1], again[2], again[4])))
+
+
 def _bench_module():
     """benchmarks/bench.py loaded afresh as a module (for its functions, on the CPU)."""
     import importlib.util

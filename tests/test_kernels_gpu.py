@@ -355,28 +355,37 @@ def test_gluon_backward_with_evict_last_reductions_matches_reference(monkeypatch
     check_backward(case, DEV, deterministic=False, main=main)
 
 
+def _record_l2_windows(monkeypatch) -> list:
+    """The L2 window on at every size (``backward.L2_PERSIST_MIN_L2 = 0``); returns the list
+    that each ``l2_policy.window`` entered appends (persist, set, rows) to."""
+    import contextlib
+
+    from dsv4_sparse_attn.kernels import l2_policy
+
+    monkeypatch.setattr(kbwd, "L2_PERSIST_MIN_L2", 0)
+    seen = []
+    window = l2_policy.window
+
+    @contextlib.contextmanager
+    def recorded(t, persist=True):
+        with window(t, persist) as on:
+            seen.append((persist, on, t.shape[0]))
+            yield on
+
+    monkeypatch.setattr(l2_policy, "window", recorded)
+    return seen
+
+
 @pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
 def test_fast_backward_under_the_l2_window_matches_reference(monkeypatch, gluon):
     """The fast mode's main launch with the accumulator's pool rows in the L2's persisting
     set-aside and the epilogue's window giving them back (the default where the
     accumulator is ``L2_PERSIST_MIN_L2`` times the L2; here at every size): both windows
     set on this GPU, then against the float64 oracle; the stream keeps no window after."""
-    import contextlib
-
     from dsv4_sparse_attn.kernels import l2_policy
 
     main = _main(gluon)
-    monkeypatch.setattr(kbwd, "L2_PERSIST_MIN_L2", 0)
-    set_ = []
-    window = l2_policy.window
-
-    @contextlib.contextmanager
-    def recorded(t, persist=True):
-        with window(t, persist) as on:
-            set_.append((persist, on, t.shape[0]))
-            yield on
-
-    monkeypatch.setattr(l2_policy, "window", recorded)
+    set_ = _record_l2_windows(monkeypatch)
     case = Case(300, 64, 512, 900, 640, ids="deepseek")
     check_backward(case, DEV, deterministic=False, main=main)
     assert set_ == [(True, True, 600), (False, True, 600)], (set_, l2_policy.unavailable())
@@ -387,23 +396,11 @@ def test_fast_backward_under_the_l2_window_in_a_cuda_graph(monkeypatch):
     """Where the fast mode takes the L2 window eagerly, a CUDA-graph capture of the same call
     sets none (``l2_policy.window`` yields False during a capture) and its replay gives the
     eager gradients, up to the order of the fast mode's fp32 adds."""
-    import contextlib
-
     from kernel_checks import TOL
 
     from dsv4_sparse_attn.kernels import l2_policy
 
-    monkeypatch.setattr(kbwd, "L2_PERSIST_MIN_L2", 0)
-    set_ = []
-    window = l2_policy.window
-
-    @contextlib.contextmanager
-    def recorded(t, persist=True):
-        with window(t, persist) as on:
-            set_.append(on)
-            yield on
-
-    monkeypatch.setattr(l2_policy, "window", recorded)
+    set_ = _record_l2_windows(monkeypatch)
     case = Case(300, 64, 512, 900, 640, ids="deepseek")
     q, kv, idx, sink = make_case(case, DEV)
     out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink)
@@ -415,7 +412,7 @@ def test_fast_backward_under_the_l2_window_in_a_cuda_graph(monkeypatch):
     dsv4_sparse_attn.set_deterministic_backward(False)
     try:
         eager = bwd()
-        assert set_ == [True, True], l2_policy.unavailable()
+        assert [on for _, on, _ in set_] == [True, True], l2_policy.unavailable()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -425,7 +422,7 @@ def test_fast_backward_under_the_l2_window_in_a_cuda_graph(monkeypatch):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             got = bwd()
-        assert set_ == [False, False]
+        assert [on for _, on, _ in set_] == [False, False]
         graph.replay()
         torch.cuda.synchronize()
         for a, b in zip(got, eager):

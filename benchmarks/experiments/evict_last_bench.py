@@ -12,15 +12,14 @@ T = 131072; D = 512, bf16, a sink, no grad_lse). grad_kv of the two arms is comp
 import json
 import os
 
-import torch
 import triton
 
 import dsv4_sparse_attn  # noqa: F401
-from dsv4_sparse_attn import testing
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
+from side_by_side import pool_inputs
 
-dev, D = "cuda", 512
+D = 512
 ROWS = [(4096, 64, 640, "distinct"), (32768, 64, 640, "distinct"), (32768, 128, 1152, "distinct"),
         (131072, 64, 640, "causal"), (131072, 128, 1152, "causal")]
 # EVICT_ROWS="1,3": rows of ROWS (default the first four); EVICT_REPS: A, B passes (default 2)
@@ -34,15 +33,7 @@ def relerr(a, b):
 
 
 for T, H, K, ids in ROWS:
-    torch.manual_seed(0)
-    n_pool = max(T // 4, K)
-    g = torch.Generator(device=dev).manual_seed(0)
-    idx = testing.deepseek_indices(T, K, n_pool=n_pool, pool=ids, device=dev, generator=g)
-    q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
-    kv = torch.randn(T + n_pool, D, device=dev, dtype=torch.bfloat16)
-    sink = torch.randn(H, device=dev)
-    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
-    do = torch.randn_like(out)
+    q, kv, idx, sink, do, out, lse = pool_inputs(T, H, K, ids)
 
     def run(ev):
         return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5, main=backward_gluon,

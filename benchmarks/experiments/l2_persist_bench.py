@@ -39,9 +39,9 @@ import torch
 import triton
 
 import dsv4_sparse_attn  # noqa: F401
-from dsv4_sparse_attn import testing
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon, l2_policy
+from side_by_side import pool_inputs
 
 dev, D = "cuda", 512
 ROWS = [(4096, 64, 640, "distinct"), (32768, 64, 640, "distinct"), (131072, 64, 640, "causal"),
@@ -155,21 +155,13 @@ ARMS = [("plain", None, None), ("acc_pool", "acc_pool", None), ("acc_head", "acc
         ("acc_all", "acc_all", None), ("limit_only", "limit", None), ("shipped", "shipped", None)]
 with torch.cuda.stream(stream):
     for T, H, K, ids in ROWS:
-        torch.manual_seed(0)
-        n_pool = max(T // 4, K)
-        g = torch.Generator(device=dev).manual_seed(0)
-        idx = testing.deepseek_indices(T, K, n_pool=n_pool, pool=ids, device=dev, generator=g)
-        q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
-        kv = torch.randn(T + n_pool, D, device=dev, dtype=torch.bfloat16)
-        sink = torch.randn(H, device=dev)
-        out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
-        do = torch.randn_like(out)
+        q, kv, idx, sink, do, out, lse = pool_inputs(T, H, K, ids)
 
         def run(ev):
             return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
                                        main=backward_gluon, deterministic=False, evict_last=ev)
 
-        r = dict(T=T, H=H, K=K, ids=ids, acc_pool_mb=round(n_pool * D * 4 / 2**20, 1))
+        r = dict(T=T, H=H, K=K, ids=ids, acc_pool_mb=round((kv.shape[0] - T) * D * 4 / 2**20, 1))
         ref = run(None)[1].float()
         for name, what, ev in ARMS[1:]:
             with arm(what):
