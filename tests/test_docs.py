@@ -52,6 +52,36 @@ def test_heading_links_resolve():
     assert not dead, "links to headings that do not exist:\n" + "\n".join(dead)
 
 
+def _dead_references(files):
+    """(references ``docs/<note>.md#<anchor>`` in ``files``' text, code comments and docstrings
+    included, to missing headings; references checked)."""
+    anchors, dead, checked = {}, [], 0
+    for f in files:
+        for m in re.finditer(r"\b(docs/[\w/.-]+?\.md)#([\w-]+)", f.read_text()):
+            target = ROOT / m.group(1)
+            if not target.exists():
+                dead.append(f"{f.relative_to(ROOT)}: {m.group(0)} (no such file)")
+                continue
+            if target not in anchors:
+                anchors[target] = _anchors(target.read_text())
+            checked += 1
+            if m.group(2) not in anchors[target]:
+                dead.append(f"{f.relative_to(ROOT)}: {m.group(0)}")
+    return dead, checked
+
+
+def test_references_from_the_code_resolve():
+    """The sources cite the performance notes by path and anchor (``docs/performance/
+    backward.md#...`` in comments, docstrings and the changelog): each names a heading."""
+    files = [ROOT / "README.md", ROOT / "CHANGELOG.md"]
+    for d in ("src", "tests", "benchmarks", "opcheck", "examples"):
+        for ext in ("*.py", "*.sh", "*.md"):
+            files += sorted((ROOT / d).rglob(ext))
+    dead, checked = _dead_references([f for f in files if f.exists()])
+    assert checked > 100, checked
+    assert not dead, "references to headings that do not exist:\n" + "\n".join(dead)
+
+
 def test_dead_link_found(tmp_path):
     a, b = tmp_path / "a.md", tmp_path / "b.md"
     a.write_text("# Top\n[ok](#top) [ok](b.md#two-cta-h--128) [dead](b.md#gone) [dead](#nowhere)\n")

@@ -627,7 +627,7 @@ def test_exact_sums_backward_is_the_same_for_any_token_order(gluon, case):
     kernels/exact_sums.py): three calls and two token orders give bitwise the same grad_kv
     (grad_q to its rounding), near the fold's, and all gradients match the float64 oracle.
     Rows of a few tens of slots: rows selected by hundreds of slots lose most of their bits
-    to the loose bound (docs/performance/backward.md#exact-two-word-sums-measured), which is
+    to the loose bound (docs/performance/backward.md#exact-two-word-sums-measured-off), which is
     why the option is off."""
     if gluon and case.D == 576:
         pytest.skip("the Gluon backward's exact sums are at D = 512 only (576/512: the fold)")

@@ -19,7 +19,7 @@ the deterministic mode's grad_q and grad_kv bitwise equal between the arms and g
 within 1e-5 (its parts are summed in another order), the fast mode's gradients against the
 deterministic ones. Prediction: about 190 us less host time a fast call at H64 K640 (145
 deterministic), the GPU time level
-(docs/performance/backward.md#one-epilogue-launch-built-host-time-not-yet-measured).
+(docs/performance/backward.md#one-epilogue-launch-kept-host-time-measured).
 """
 import importlib.util
 import json

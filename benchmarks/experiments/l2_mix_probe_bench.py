@@ -5,7 +5,7 @@ alone and together, from the same kernel:
 
     PYTHONPATH=src:benchmarks/experiments python benchmarks/experiments/l2_mix_probe_bench.py
 
-Question (docs/performance/backward.md#what-bounds-the-fast-mode): ncu had both kernels' L2
+Question (docs/performance/backward.md#gathers-and-reductions-share-the-l2-probed): ncu had both kernels' L2
 at 76-79% of its peak throughput. If reads and reductions share that limit, the pair takes
 about the sum of their times alone, and fewer gather bytes (one gather for both head blocks
 of a token at H = 128) would shorten the fast mode; if they overlap, the time of the pair is

@@ -4,7 +4,7 @@ accumulation could use, next to the fast mode's 16-byte fp32 reductions.
 
     PYTHONPATH=src python benchmarks/experiments/red_probe_bench.py
 
-Question (docs/performance/backward.md#exact-sums-in-two-int32-words): an order-independent
+Question (docs/performance/backward.md#exact-integer-sums-measured): an order-independent
 sum needs integer adds. 64-bit ones measured 4x slower than fp32 ones per value (the probe
 of dkv_modes_bench.py, plain ``tl.atomic_add``); a fixed-point value split into two int32
 words that each wrap (two's complement adds are exact in any order) sends the same 8 bytes
