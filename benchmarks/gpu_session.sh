@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu_session.sh experiments  # A/B: evict_last_bench.py, proto_ab.py, ...
 #   bash benchmarks/gpu_session.sh next   # the GPU tests of an option (NEXT_TESTS, a -k expression), then
 #                                          # its A/B next to cuDNN (NEXT_BENCH, a script in experiments/)
+#   bash benchmarks/gpu_session.sh l2     # the L2 window's GPU tests and l2_persist_bench.py
 #   bash benchmarks/gpu_session.sh ablate  # a tile's work taken apart (tile_ablation_bench.py)
 #   bash benchmarks/gpu_session.sh timeline  # a tile's timeline in the fast backward (tile_timeline.py)
 #   bash benchmarks/gpu_session.sh ncu-peer  # ncu stall profiles of the fast main kernel and
@@ -236,6 +237,15 @@ next)
   timeout ${NEXT_TESTS_TIMEOUT:-200} python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels_gpu.py \
     -k "${NEXT_TESTS:-dq_tma}" 2>&1 | tail -6 | tee "$OUT/next_tests.log"
   tests_passed "$OUT/next_tests.log" && peer_experiment "${NEXT_BENCH:-dq_tma_bench.py}" ${NEXT_BENCH_TIMEOUT:-330} next_bench.jsonl
+  ;;
+l2)
+  # The fast backward's L2 window (backward.persist_rows, off by default): its GPU tests, then
+  # l2_persist_bench.py's arms (L2P_ROWS, default 2,5,0: T = 131072 and 65536 causal, 4096).
+  # About 5 minutes on a fresh machine.
+  timeout 200 python3 -m pytest -q -x -n 3 -p no:cacheprovider tests/test_kernels_gpu.py -k l2_window 2>&1 \
+    | tail -6 | tee "$OUT/l2_tests.log"
+  L2P_ROWS=${L2P_ROWS:-2,5,0} timeout 330 python3 benchmarks/experiments/l2_persist_bench.py 2>&1 \
+    | tee "$OUT/l2_persist.jsonl"
   ;;
 ablate)
   # Parts of a tile taken out of the fast backward over a K sweep (tile_ablation_bench.py);
