@@ -115,3 +115,19 @@ def test_window_sets_nothing_where_it_cannot(driver, monkeypatch):
     with l2_policy.window(gpu_tensor(1 << 20)) as on:
         assert not on
     assert "no persisting L2" in l2_policy.unavailable()
+
+
+def test_persist_rows_rule(monkeypatch):
+    """``backward.persist_rows``: off by default; with a threshold, the accumulator's rows
+    from T on where it is that many times the L2 (all rows where N <= T), else none; none on
+    a CPU accumulator."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
+
+    acc = torch.zeros(10, 4)  # 160 bytes
+    assert kbwd.L2_PERSIST_MIN_L2 is None and kbwd.persist_rows(acc, 6, l2=1) is None
+    monkeypatch.setattr(kbwd, "L2_PERSIST_MIN_L2", 4)
+    rows = kbwd.persist_rows(acc, 6, l2=40)
+    assert rows.data_ptr() == acc[6].data_ptr() and rows.shape == (4, 4)
+    assert kbwd.persist_rows(acc, 12, l2=40).shape == (10, 4)
+    assert kbwd.persist_rows(acc, 6, l2=41) is None  # (under 4x the L2)
+    assert kbwd.persist_rows(acc, 6, l2=0) is None and kbwd.persist_rows(acc, 6) is None

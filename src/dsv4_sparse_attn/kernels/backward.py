@@ -692,15 +692,15 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     return grad_q, grad_kv, grad_sink
 
 
-def persist_rows(acc: torch.Tensor, T: int) -> torch.Tensor | None:
+def persist_rows(acc: torch.Tensor, T: int, l2: int | None = None) -> torch.Tensor | None:
     """The accumulator rows the fast mode's main launch keeps in the L2's persisting set-aside
-    (None: none): where the accumulator is at least L2_PERSIST_MIN_L2 times the L2 (if set), the rows
-    from T on (with DeepSeek-V4's ids the compressed pool after the T raw rows: selected at
-    random over the whole call, while a raw row is selected by a sliding window of
-    consecutive tokens, which the L2 keeps unaided), or all of them where N <= T."""
-    if not acc.is_cuda:
-        return None
-    l2 = getattr(cuda_properties(acc.device), "L2_cache_size", 0)
+    (None: none): where the accumulator is at least L2_PERSIST_MIN_L2 times the L2 (if set),
+    the rows from T on (with DeepSeek-V4's ids the compressed pool after the T raw rows:
+    selected at random over the whole call, while a raw row is selected by a sliding window
+    of consecutive tokens, which the L2 keeps unaided), or all of them where N <= T. ``l2``:
+    the L2's bytes (default: acc's GPU's; a CPU accumulator has none)."""
+    if l2 is None:
+        l2 = getattr(cuda_properties(acc.device), "L2_cache_size", 0) if acc.is_cuda else 0
     if L2_PERSIST_MIN_L2 is None or l2 <= 0 or acc.numel() * acc.element_size() < L2_PERSIST_MIN_L2 * l2:
         return None
     return acc[T:] if acc.shape[0] > T else acc
