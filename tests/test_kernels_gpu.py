@@ -369,7 +369,7 @@ def _record_l2_windows(monkeypatch) -> list:
     @contextlib.contextmanager
     def recorded(t, persist=True):
         with window(t, persist) as on:
-            seen.append((persist, on, t.shape[0]))
+            seen.append((persist, on, None if t is None else t.shape[0]))
             yield on
 
     monkeypatch.setattr(l2_policy, "window", recorded)

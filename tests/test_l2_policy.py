@@ -98,6 +98,8 @@ def test_window_sets_nothing_where_it_cannot(driver, monkeypatch):
         assert not on
     with l2_policy.window(gpu_tensor(0)) as on:
         assert not on
+    with l2_policy.window(None) as on:  # (``backward.persist_rows``: no rows to keep)
+        assert not on
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with l2_policy.window(gpu_tensor(1 << 20)) as on:  # (none during a CUDA-graph capture)
         assert not on

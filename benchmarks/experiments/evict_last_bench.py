@@ -17,7 +17,7 @@ import triton
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import pool_inputs
+from side_by_side import pool_inputs, relerr
 
 D = 512
 ROWS = [(4096, 64, 640, "distinct"), (32768, 64, 640, "distinct"), (32768, 128, 1152, "distinct"),
@@ -25,11 +25,6 @@ ROWS = [(4096, 64, 640, "distinct"), (32768, 64, 640, "distinct"), (32768, 128, 
 # EVICT_ROWS="1,3": rows of ROWS (default the first four); EVICT_REPS: A, B passes (default 2)
 ROWS = [ROWS[int(i)] for i in os.environ.get("EVICT_ROWS", "0,1,2,3").split(",")]
 REPS = int(os.environ.get("EVICT_REPS", "2"))
-
-
-def relerr(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 for T, H, K, ids in ROWS:

@@ -41,7 +41,7 @@ import triton
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon, l2_policy
-from side_by_side import pool_inputs
+from side_by_side import pool_inputs, relerr
 
 dev, D = "cuda", 512
 ROWS = [(4096, 64, 640, "distinct"), (32768, 64, 640, "distinct"), (131072, 64, 640, "causal"),
@@ -51,21 +51,9 @@ ROWS = [ROWS[int(i)] for i in os.environ.get("L2P_ROWS", "2,1,4").split(",")]
 REPS = int(os.environ.get("L2P_REPS", "2"))
 
 _cu = ctypes.CDLL("libcuda.so.1")
-CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 0x06
-CU_STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW = 1
-CU_ACCESS_PROPERTY_NORMAL, CU_ACCESS_PROPERTY_PERSISTING = 0, 2
 CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE = 38
-CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE = 108
-CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE = 109
-
-
-class _Window(ctypes.Structure):  # CUaccessPolicyWindow
-    _fields_ = [("base_ptr", ctypes.c_void_p), ("num_bytes", ctypes.c_size_t), ("hitRatio", ctypes.c_float),
-                ("hitProp", ctypes.c_int), ("missProp", ctypes.c_int)]
-
-
-class _AttrValue(ctypes.Union):  # CUstreamAttrValue (CUlaunchAttributeValue: 64 bytes)
-    _fields_ = [("accessPolicyWindow", _Window), ("pad", ctypes.c_char * 64)]
+# (the rest of the driver's constants and the window's structures: l2_policy's)
+CU_LIMIT_PERSISTING_L2_CACHE_SIZE = l2_policy._LIMIT_PERSISTING_L2_CACHE_SIZE
 
 
 def _check(rc, what):
@@ -80,19 +68,19 @@ def _attr(a):
 
 
 def set_window(stream, ptr=0, nbytes=0, hit_ratio=0.0):
-    v = _AttrValue()
+    v = l2_policy._AttrValue()
     w = v.accessPolicyWindow
     w.base_ptr, w.num_bytes, w.hitRatio = ptr, nbytes, hit_ratio
-    w.hitProp = CU_ACCESS_PROPERTY_PERSISTING if nbytes else CU_ACCESS_PROPERTY_NORMAL
-    w.missProp = CU_ACCESS_PROPERTY_NORMAL
+    w.hitProp = l2_policy._PERSISTING if nbytes else l2_policy._NORMAL
+    w.missProp = l2_policy._NORMAL
     _check(_cu.cuStreamSetAttribute(ctypes.c_void_p(stream.cuda_stream),
-                                    CU_STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW, ctypes.byref(v)),
+                                    l2_policy._STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW, ctypes.byref(v)),
            "cuStreamSetAttribute")
 
 
 L2 = _attr(CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
-MAX_PERSIST = _attr(CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE)
-MAX_WINDOW = _attr(CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE)
+MAX_PERSIST = _attr(l2_policy._ATTR_MAX_PERSISTING_L2_CACHE_SIZE)
+MAX_WINDOW = _attr(l2_policy._ATTR_MAX_ACCESS_POLICY_WINDOW_SIZE)
 print(json.dumps(dict(gpu=torch.cuda.get_device_name(), l2=L2, max_persist=MAX_PERSIST,
                       max_window=MAX_WINDOW)), flush=True)
 
@@ -142,11 +130,6 @@ def arm(what):
             torch.cuda.synchronize()
             _check(_cu.cuCtxResetPersistingL2Cache(), "cuCtxResetPersistingL2Cache")
             _check(_cu.cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, ctypes.c_size_t(0)), "limit 0")
-
-
-def relerr(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 backward_gluon.launch = _windowed_launch

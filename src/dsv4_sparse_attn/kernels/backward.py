@@ -25,7 +25,6 @@ longest first (``length_order``), so that a chunk's tokens have like lengths.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import NamedTuple
 
@@ -629,7 +628,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             orders = main.schedule(topk_length, T, H, paired, tokens)
         if getattr(main, "DEFERS_DQ_PARTS", False):
             main_options = dict(main_options, dq_parts=dq_jobs)
-        with l2_policy.window(persisting) if persisting is not None else contextlib.nullcontext():
+        with l2_policy.window(persisting):
             launch(0, T, None, counters[4:] if n_main_flags else None)
     elif T > 0:
         n_sm = cuda_properties(dev).multi_processor_count if dev.type == "cuda" else 0
@@ -686,7 +685,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                 )
 
     # (the epilogue reads every accumulator row: its window gives the persisting lines back)
-    with l2_policy.window(persisting, persist=False) if persisting is not None else contextlib.nullcontext():
+    with l2_policy.window(persisting, persist=False):
         grad_kv, grad_sink = epilogue(acc, kv.dtype, main.ACC_FAKE_ORDER, attn_sink, lse, delta, counters[:1],
                                       dq_jobs[0] if dq_jobs else None, two_words=exact)
     return grad_q, grad_kv, grad_sink

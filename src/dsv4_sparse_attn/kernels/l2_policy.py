@@ -26,7 +26,7 @@ import torch
 # CUDA driver API constants (cuda.h)
 _LIMIT_PERSISTING_L2_CACHE_SIZE = 0x06
 _STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW = 1
-_NORMAL, _STREAMING, _PERSISTING = 0, 1, 2
+_NORMAL, _PERSISTING = 0, 2  # (CUaccessProperty)
 _ATTR_MAX_PERSISTING_L2_CACHE_SIZE = 108
 _ATTR_MAX_ACCESS_POLICY_WINDOW_SIZE = 109
 
@@ -98,15 +98,15 @@ def _get_window(stream: torch.cuda.Stream) -> Optional[_AttrValue]:
 
 
 @contextlib.contextmanager
-def window(t: torch.Tensor, persist: bool = True) -> Iterator[bool]:
+def window(t: Optional[torch.Tensor], persist: bool = True) -> Iterator[bool]:
     """The launches enqueued inside run with an access-policy window over ``t``'s bytes (a
-    contiguous tensor, cut to the largest window): ``persist`` puts a share of its lines in
-    the persisting set-aside (the set-aside over the window's bytes), ``persist=False``
-    gives every line it touches back to normal. Yields whether the window is set; the
-    stream's previous window is restored after."""
+    contiguous tensor, cut to the largest window; None: no window): ``persist`` puts a share
+    of its lines in the persisting set-aside (the set-aside over the window's bytes),
+    ``persist=False`` gives every line it touches back to normal. Yields whether the window
+    is set; the stream's previous window is restored after."""
     # (not during a CUDA-graph capture: whether a stream attribute is taken into the
     # captured kernel nodes, and whether setting one is legal there, is not measured)
-    if not t.is_cuda or t.numel() == 0 or torch.cuda.is_current_stream_capturing():
+    if t is None or not t.is_cuda or t.numel() == 0 or torch.cuda.is_current_stream_capturing():
         yield False
         return
     set_aside, largest = _device_limits(t.device)
