@@ -241,7 +241,16 @@ next)
 l2)
   # The fast backward's L2 window (backward.persist_rows, off by default): its GPU tests, then
   # l2_persist_bench.py's arms (L2P_ROWS, default 2,5,0: T = 131072 and 65536 causal, 4096).
-  # About 5 minutes on a fresh machine.
+  # About 5 minutes on a fresh machine. First whether the driver takes a window on the legacy
+  # default stream (where most callers launch) and on a created one.
+  timeout 60 python3 -c "
+import torch
+from dsv4_sparse_attn.kernels import l2_policy as p
+t = torch.empty(1 << 20, device='cuda')
+for name, s in (('default stream', torch.cuda.current_stream()), ('created stream', torch.cuda.Stream())):
+    with torch.cuda.stream(s), p.window(t) as on:
+        print(name, s.cuda_stream, 'window set:', on, p.unavailable())
+" 2>&1 | tee "$OUT/l2_streams.log"
   timeout 200 python3 -m pytest -q -x -n 3 -p no:cacheprovider tests/test_kernels_gpu.py -k l2_window 2>&1 \
     | tail -6 | tee "$OUT/l2_tests.log"
   L2P_ROWS=${L2P_ROWS:-2,5,0} timeout 330 python3 benchmarks/experiments/l2_persist_bench.py 2>&1 \
