@@ -11,7 +11,8 @@ per-row grid ``2^(ceil(log2 U_r) - 22)`` (then fp32 adds are exact, in any order
 tighter bounds, the slot's attention mass (``mass``) or S and dP (``tight``; ``tight64``: a
 bound and a grid a 64-column piece of the row), in one fp32
 word (``f32grid``) or two (``f32grid2``: the residual on a finer grid), or in one s32 word on
-that bound's grid ``2^(ceil(log2 U_r) - 30)`` (``mass_s32``, ``tight_s32``), against the float64
+that bound's grid ``2^(ceil(log2 U_r) - 30)`` (``mass_s32``, ``tight_s32``); and the deterministic
+mode's partial rows in 16 bits (``bf16_rows``, ``fp16_rows_e64``), against the float64
 sum rounded to bf16 (``bf16_of_exact``): docs/performance/backward.md, "Exact fp32 sums on a
 per-row grid".
 
@@ -151,6 +152,20 @@ def main():
         acc32 = torch.zeros(N, D, dtype=torch.int64).index_add_(0, rows, i32)
         assert bool((acc32.abs() < 2**31).all())
         report(name + "_s32", acc32.double() * g32)
+    # 16-bit partial rows (the deterministic mode's per-(token, slot) rows at half the bytes),
+    # summed in fp32 in a fixed order as the fold sums them: each row rounded to bf16
+    # (``bf16_rows``), or to fp16 after scaling each 64-column segment by a power of two that
+    # puts its largest |value| in [2^14, 2^15) (``fp16_rows_e64``: the exponent, one byte a
+    # segment, stored beside it; a row's 64 columns are one quad of a wgmma accumulator, so its
+    # maximum is two shuffles), then scaled back exactly.
+    bf16_rows = torch.zeros(N, D, dtype=torch.float32).index_add_(0, rows, vals.bfloat16().float())
+    report("bf16_rows", bf16_rows.double())
+    seg = vals.reshape(-1, D // 64, 64)
+    e = torch.floor(torch.log2(seg.abs().amax(-1, keepdim=True).clamp_min(1e-300)))
+    half = (seg * torch.exp2(14 - e)).half()
+    assert bool(torch.isfinite(half).all())
+    back = (half.double() * torch.exp2(e - 14)).reshape(-1, D).float()
+    report("fp16_rows_e64", torch.zeros(N, D, dtype=torch.float32).index_add_(0, rows, back).double())
     # what the output dtype costs anyway: the float64 sum rounded to bf16
     report("bf16_of_exact", exact.bfloat16().double())
     print(json.dumps(res))
