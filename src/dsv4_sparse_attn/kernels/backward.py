@@ -51,11 +51,11 @@ PARTIAL_BYTES = 896 * 2**20
 # The fast mode's main launch with part of the fp32 accumulator in the L2's persisting
 # set-aside (``l2_policy.window``) where the accumulator is at least L2_PERSIST_MIN_L2 times
 # the L2 (None: never); the epilogue's launch gives the lines back (``persist_rows``: which
-# rows). H100 SXM, T = 131072 causal H64 K640 (benchmarks/experiments/l2_persist_bench.py):
-# 98.4 / 98.9 ms against 113.8 / 113.7. Off until the product path is timed on the GPU and
-# what a reserved set-aside costs other kernels is known (every arm with it reserved was
-# 2-6% slower at T = 4096, window or not measured apart;
-# docs/performance/backward.md#the-accumulator-in-the-l2s-persisting-set-aside).
+# rows). Off: at T = 131072 causal H64 K640 it takes 13% off on an H100 SXM and 7.9% on the
+# H200 (87.8 -> 80.9 ms), but on the H200 the set-aside reserved without any window gains
+# as much, and while it stays reserved it costs the process's mid-sized calls 40-46%
+# (T = 32768, 65536); changing the reservation (cuCtxSetLimit) synchronises the device
+# (docs/performance/backward.md#the-accumulator-in-the-l2s-persisting-set-aside).
 L2_PERSIST_MIN_L2 = None
 
 # The deterministic path inverts the ids of several chunks with one batched stable sort

@@ -1,19 +1,24 @@
 """The L2's persisting set-aside for the fast backward at long contexts.
 
 Where the fp32 [N, D] dKV accumulator is several times the L2 (T = 131072: 335 MB against
-50 MB), the fast mode's reductions miss the L2, and a reduction that misses costs a line
-read and a dirty line written back, where a gather that misses costs one read. An
-access-policy window over the accumulator on the main kernel's launch keeps a share of its
-lines in the L2's persisting set-aside, ahead of kv's and q/dO's
+the H100's 50 MB, the H200's 60), the fast mode's reductions miss the L2, and a reduction
+that misses costs a line read and a dirty line written back, where a gather that misses
+costs one read. An access-policy window over the accumulator on the main kernel's launch
+keeps a share of its lines in the L2's persisting set-aside, ahead of kv's and q/dO's
 (docs/performance/backward.md#the-accumulator-in-the-l2s-persisting-set-aside).
 
 The window is a stream attribute (the launch takes it when enqueued: later launches do not
 see it once restored); the set-aside is a context-wide limit, reserved the first time a
-window is used and left reserved (normal accesses use it while no persisting line does);
-the lines are given back by the epilogue, whose launch reads every accumulator row under a
-window that resets them to normal. Through the driver API (ctypes; Triton's launcher takes
-no launch attributes). Where the driver refuses (MPS, MIG, no libcuda), and during a CUDA-graph
-capture, nothing is set.
+window is used and left reserved; the lines are given back by the epilogue, whose launch
+reads every accumulator row under a window that resets them to normal. Through the driver
+API (ctypes; Triton's launcher takes no launch attributes). Where the driver refuses (MPS,
+MIG, no libcuda), and during a CUDA-graph capture, nothing is set.
+
+Measured on the H200, why the backward leaves this off (``backward.L2_PERSIST_MIN_L2``):
+reserving the set-aside (``cuCtxSetLimit``) waits for the device to go idle, and while it
+is reserved normal lines do not get it back (mid-sized fast backward calls without a window
+took 40-46% longer), though the programming guide says they use it while no persisting
+line does.
 """
 from __future__ import annotations
 
