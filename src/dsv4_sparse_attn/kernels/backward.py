@@ -153,7 +153,7 @@ def _bwd_delta_kernel(
 
 @triton.jit
 def _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.constexpr, D: tl.constexpr,
-                MASK_D: tl.constexpr):
+                MASK_D: tl.constexpr, EXP=None, P16: tl.constexpr = False):
     """[ROWS, BLOCK_D]: for each of the program's rows, its entry ``e`` (its head-block parts
     added in order), 0 where ``e`` is past the row's ``end``."""
     ok = e < end
@@ -163,7 +163,10 @@ def _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.cons
         m = ok[:, None] & d_ok[None, :]
     else:  # (a mask constant along the row: 16-byte loads)
         m = ok[:, None]
-    return _sum_parts(ptr, m, k_stride, N_HB, D)
+    eptr = None
+    if P16:
+        eptr = _partial_row(EXP, entry, K, k_stride, N_HB, D // 64)[:, None] + (offs_d // 64)[None, :]
+    return _sum_parts(ptr, m, k_stride, N_HB, D, eptr, P16)
 
 
 @triton.jit
@@ -176,20 +179,35 @@ def _partial_row(PARTIAL, entry, K, k_stride, N_HB: tl.constexpr, D: tl.constexp
 
 
 @triton.jit
-def _sum_parts(ptr, m, k_stride, N_HB: tl.constexpr, D: tl.constexpr):
+def _sum_parts(ptr, m, k_stride, N_HB: tl.constexpr, D: tl.constexpr, eptr=None, P16: tl.constexpr = False):
     """An entry's partial row, its N_HB head-block parts (``ptr``: the first's columns)
-    added in part order."""
+    added in part order. ``P16`` (a prototype of 16-bit partial rows, not used by the
+    backward yet: docs/performance/backward.md#partial-rows-in-16-bits-cpu-precision-not-built):
+    the rows are fp16 and each 64-column segment has a power-of-two scale 2^s, s an int8 in
+    [-126, 127] at ``eptr`` (rows of D / 64); the value, the fp16 times 2^s, is exact in fp32."""
     x = tl.load(ptr, mask=m, other=0.0)
+    if P16:
+        x = _scaled(x, eptr, m)
     for hb in tl.static_range(1, N_HB):
-        x += tl.load(ptr + hb * k_stride * D, mask=m, other=0.0)
+        y = tl.load(ptr + hb * k_stride * D, mask=m, other=0.0)
+        if P16:
+            y = _scaled(y, eptr + hb * k_stride * (D // 64), m)
+        x += y
     return x
+
+
+@triton.jit
+def _scaled(x, eptr, m):
+    """fp16 ``x`` times 2^s, s the int8 at ``eptr`` (the float's exponent field built directly)."""
+    s = tl.load(eptr, mask=m, other=0).to(tl.int32)
+    return x.to(tl.float32) * ((s + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit(do_not_specialize=["K", "k_stride", "N"])
 def _dkv_reduce_kernel(
     PARTIAL, ORDER, SEG, ACC, K, k_stride, N,
     D: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, MASK_D: tl.constexpr, ROWS: tl.constexpr,
-    UNROLL: tl.constexpr,
+    UNROLL: tl.constexpr, EXP=None, P16: tl.constexpr = False,
 ):
     """acc[n] += row n's per-slot partials of this chunk, one after the other in sorted
     (token, slot) order: a sequential fold that continues from the previous chunks' sum,
@@ -222,15 +240,23 @@ def _dkv_reduce_kernel(
         acc = tl.load(acc_ptr, mask=live, other=0.0)
         for e0 in range(0, n_max, UNROLL):
             e = start + e0
-            x0 = _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D)
-            x1 = _entry_rows(PARTIAL, ORDER, e + 1, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D)
-            x2 = _entry_rows(PARTIAL, ORDER, e + 2, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D)
-            x3 = _entry_rows(PARTIAL, ORDER, e + 3, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D)
+            x0 = _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
+                             EXP, P16)
+            x1 = _entry_rows(PARTIAL, ORDER, e + 1, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
+                             EXP, P16)
+            x2 = _entry_rows(PARTIAL, ORDER, e + 2, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
+                             EXP, P16)
+            x3 = _entry_rows(PARTIAL, ORDER, e + 3, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
+                             EXP, P16)
             if UNROLL == 8:
-                x4 = _entry_rows(PARTIAL, ORDER, e + 4, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D)
-                x5 = _entry_rows(PARTIAL, ORDER, e + 5, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D)
-                x6 = _entry_rows(PARTIAL, ORDER, e + 6, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D)
-                x7 = _entry_rows(PARTIAL, ORDER, e + 7, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D)
+                x4 = _entry_rows(PARTIAL, ORDER, e + 4, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
+                                 EXP, P16)
+                x5 = _entry_rows(PARTIAL, ORDER, e + 5, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
+                                 EXP, P16)
+                x6 = _entry_rows(PARTIAL, ORDER, e + 6, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
+                                 EXP, P16)
+                x7 = _entry_rows(PARTIAL, ORDER, e + 7, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
+                                 EXP, P16)
             acc += x0
             acc += x1
             acc += x2
@@ -247,7 +273,7 @@ def _dkv_reduce_kernel(
 def _dkv_fold_runs_kernel(
     PARTIAL, ORDER, KEYS, SEG, ACC, K, k_stride, N,
     D: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, UNROLL: tl.constexpr,
-    PRELOAD: tl.constexpr = True,
+    PRELOAD: tl.constexpr = True, EXP=None, P16: tl.constexpr = False,
 ):
     """``_dkv_reduce_kernel``'s fold (the same adds in the same order: the same bits), with
     the work cut by entries instead of by kv rows: the chunk's sorted entries (``KEYS``, the
@@ -272,22 +298,22 @@ def _dkv_fold_runs_kernel(
         # loads first (straight-line code, all in flight at once): the entries' rows and
         # positions, their partial rows, the accumulator row of each entry that starts a row
         r0, x0, s0, a0 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0, e_hi, cur, K, k_stride, offs_d, d_ok,
-                                    N_HB, D, PRELOAD)
+                                    N_HB, D, PRELOAD, EXP, P16)
         r1, x1, s1, a1 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 1, e_hi, r0, K, k_stride, offs_d, d_ok,
-                                    N_HB, D, PRELOAD)
+                                    N_HB, D, PRELOAD, EXP, P16)
         r2, x2, s2, a2 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 2, e_hi, r1, K, k_stride, offs_d, d_ok,
-                                    N_HB, D, PRELOAD)
+                                    N_HB, D, PRELOAD, EXP, P16)
         r3, x3, s3, a3 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 3, e_hi, r2, K, k_stride, offs_d, d_ok,
-                                    N_HB, D, PRELOAD)
+                                    N_HB, D, PRELOAD, EXP, P16)
         if UNROLL == 8:
             r4, x4, s4, a4 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 4, e_hi, r3, K, k_stride,
-                                        offs_d, d_ok, N_HB, D, PRELOAD)
+                                        offs_d, d_ok, N_HB, D, PRELOAD, EXP, P16)
             r5, x5, s5, a5 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 5, e_hi, r4, K, k_stride,
-                                        offs_d, d_ok, N_HB, D, PRELOAD)
+                                        offs_d, d_ok, N_HB, D, PRELOAD, EXP, P16)
             r6, x6, s6, a6 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 6, e_hi, r5, K, k_stride,
-                                        offs_d, d_ok, N_HB, D, PRELOAD)
+                                        offs_d, d_ok, N_HB, D, PRELOAD, EXP, P16)
             r7, x7, s7, a7 = _run_entry(PARTIAL, ORDER, KEYS, ACC, e0 + 7, e_hi, r6, K, k_stride,
-                                        offs_d, d_ok, N_HB, D, PRELOAD)
+                                        offs_d, d_ok, N_HB, D, PRELOAD, EXP, P16)
         # then the adds in entry order, each row's sum stored when the next row starts
         acc, cur = _run_add(ACC, acc, cur, r0, x0, s0, a0, offs_d, d_ok, D, PRELOAD)
         acc, cur = _run_add(ACC, acc, cur, r1, x1, s1, a1, offs_d, d_ok, D, PRELOAD)
@@ -303,7 +329,7 @@ def _dkv_fold_runs_kernel(
 
 @triton.jit
 def _run_entry(PARTIAL, ORDER, KEYS, ACC, e, e_hi, prev, K, k_stride, offs_d, d_ok, N_HB: tl.constexpr,
-               D: tl.constexpr, PRELOAD: tl.constexpr):
+               D: tl.constexpr, PRELOAD: tl.constexpr, EXP=None, P16: tl.constexpr = False):
     """Entry ``e`` of a run: (its kv row, -1 past the run; its partial row, head-block parts
     added in order, 0 past the run; whether it starts a row, i.e. follows an entry of
     another row ``prev``; that row's accumulator where it does, else 0)."""
@@ -312,7 +338,10 @@ def _run_entry(PARTIAL, ORDER, KEYS, ACC, e, e_hi, prev, K, k_stride, offs_d, d_
     entry = tl.load(ORDER + e, mask=ok, other=0)
     base = _partial_row(PARTIAL, entry, K, k_stride, N_HB, D)
     m = tl.where(ok, d_ok, False)  # (a scalar & a vector: not a mask the 3.9 interpreter takes)
-    x = _sum_parts(base + offs_d, m, k_stride, N_HB, D)
+    eptr = None
+    if P16:
+        eptr = _partial_row(EXP, entry, K, k_stride, N_HB, D // 64) + offs_d // 64
+    x = _sum_parts(base + offs_d, m, k_stride, N_HB, D, eptr, P16)
     st = ok & (r != prev)
     if PRELOAD:
         a = tl.load(ACC + r * D + offs_d, mask=tl.where(st, d_ok, False), other=0.0)
