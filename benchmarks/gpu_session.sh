@@ -15,6 +15,7 @@
 #   bash benchmarks/gpu_session.sh next   # the GPU tests of an option (NEXT_TESTS, a -k expression), then
 #                                          # its A/B next to cuDNN (NEXT_BENCH, a script in experiments/)
 #   bash benchmarks/gpu_session.sh l2     # the L2 window's GPU tests and l2_persist_bench.py
+#   bash benchmarks/gpu_session.sh partial16  # 16-bit partial rows (prototype): GPU tests, A/B
 #   bash benchmarks/gpu_session.sh ablate  # a tile's work taken apart (tile_ablation_bench.py)
 #   bash benchmarks/gpu_session.sh timeline  # a tile's timeline in the fast backward (tile_timeline.py)
 #   bash benchmarks/gpu_session.sh ncu-peer  # ncu stall profiles of the fast main kernel and
@@ -255,6 +256,14 @@ for name, s in (('default stream', torch.cuda.current_stream()), ('created strea
     | tail -6 | tee "$OUT/l2_tests.log"
   L2P_ROWS=${L2P_ROWS:-2,5,0} timeout 330 python3 benchmarks/experiments/l2_persist_bench.py 2>&1 \
     | tee "$OUT/l2_persist.jsonl"
+  ;;
+partial16)
+  # The prototype of 16-bit partial rows: its GPU tests, then partial16_bench.py (the
+  # deterministic backward's main kernel and fold with fp32 and 16-bit rows). About 5 minutes.
+  timeout 200 python3 -m pytest -q -x -n 3 -p no:cacheprovider tests/test_kernels_gpu.py -k 16_bit 2>&1 \
+    | tail -6 | tee "$OUT/partial16_tests.log"
+  tests_passed "$OUT/partial16_tests.log" && PYTHONPATH=$PYTHONPATH:$PWD/benchmarks/experiments timeout 330 \
+    python3 benchmarks/experiments/partial16_bench.py 2>&1 | tee "$OUT/partial16.jsonl"
   ;;
 ablate)
   # Parts of a tile taken out of the fast backward over a K sweep (tile_ablation_bench.py);

@@ -125,10 +125,11 @@ def check_forward(c: Case, device, fwd=None):
     return errs
 
 
-def check_backward(c: Case, device, deterministic=True, with_dlse=True, main=None, exact=None):
+def check_backward(c: Case, device, deterministic=True, with_dlse=True, main=None, exact=None,
+                   partial16=False):
     """``main``: the backward's main-kernel module (default ``backward_triton``; the GPU
-    tests also pass ``backward_gluon``); ``exact``: the deterministic mode's sums
-    (``backward.sparse_mla_bwd``)."""
+    tests also pass ``backward_gluon``); ``exact``, ``partial16``: the deterministic mode's
+    sums and partial rows (``backward.sparse_mla_bwd``)."""
     q, kv, idx, sink = make_case(c, device)
     length = make_lengths(c, device)
     out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5, topk_length=length)
@@ -143,7 +144,7 @@ def check_backward(c: Case, device, deterministic=True, with_dlse=True, main=Non
     dq = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
     gq, gkv, gs = kbwd.sparse_mla_bwd(do, dlse, q, kv, out, lse, idx, sink, c.D ** -0.5,
                                       main=main or backward_triton, deterministic=deterministic, grad_q=dq,
-                                      topk_length=length, exact=exact)
+                                      topk_length=length, exact=exact, partial16=partial16)
     rq, rkv, rs = oracle_bwd(do, dlse, q, kv, idx, sink, None, length)
     tol = TOL[c.dtype]
     errs = dict(dq=relerr(gq, rq), dkv=relerr(gkv, rkv))

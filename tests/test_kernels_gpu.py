@@ -376,6 +376,15 @@ def _record_l2_windows(monkeypatch) -> list:
     return seen
 
 
+@pytest.mark.parametrize("case", [Case(300, 64, 512, 900, 640, ids="deepseek"),
+                                  Case(200, 128, 512, 700, 300, ids="dup", lengths=True),
+                                  Case(150, 40, 512, 500, 200, ids="extreme")], ids=str)
+def test_deterministic_backward_with_16_bit_partial_rows(case):
+    """The prototype of 16-bit partial rows (the Triton main kernel's fp16 stores with a
+    scale a 64-column segment, the fold's exact decoding) against the float64 oracle."""
+    check_backward(case, DEV, deterministic=True, partial16=True)
+
+
 @pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
 def test_fast_backward_under_the_l2_window_matches_reference(monkeypatch, gluon):
     """The fast mode's main launch with the accumulator's pool rows in the L2's persisting

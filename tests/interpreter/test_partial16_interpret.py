@@ -1,6 +1,6 @@
 """A prototype of 16-bit partial rows for the deterministic fold (``P16`` in
 ``backward._dkv_reduce_kernel`` and ``_dkv_fold_runs_kernel``; not used by the backward
-yet: docs/performance/backward.md#partial-rows-in-16-bits-cpu-precision-not-built): rows
+yet: docs/performance/backward.md#partial-rows-in-16-bits-prototype-untimed): rows
 of fp16 values with a power-of-two scale a 64-column segment fold to the same bits as the
 fp32 rows they decode to, exactly, in both folds, with one and two head-block parts."""
 from __future__ import annotations
@@ -58,3 +58,62 @@ def test_fold_of_16_bit_rows_equals_the_fold_of_their_fp32_values(n_hb, D):
     ref.index_add_(0, keys[live].long(), flat[order[live]])
     assert (results[0].double() - ref).abs().max() < 1e-3 * ref.abs().max()  # (the fold's own fp32 sum)
     assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+@pytest.mark.parametrize("H, D, rope", [(3, 256, False), (70, 256, False), (3, 512, True)])
+def test_deterministic_backward_with_16_bit_rows(monkeypatch, H, D, rope):
+    """The deterministic backward (Triton main kernel) with 16-bit partial rows against the
+    same with fp32 rows: grad_q and grad_sink bitwise equal (the rows do not enter them),
+    grad_kv within fp16's rounding of each row (2^-11 of a segment's largest value), and the
+    same bits whatever the chunks. ``rope``: the 576/512 layout's 64 score-only columns."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
+    from dsv4_sparse_attn.kernels import backward_triton
+    from dsv4_sparse_attn.kernels import forward_triton as kfwd
+
+    torch.manual_seed(1)
+    T, N, K = 5, 30, 7
+    W = D + 64 if rope else D
+    q, kv = torch.randn(T, H, W).half(), torch.randn(N, W).half()
+    idx = torch.randint(-1, N, (T, K), dtype=torch.int32)
+    idx[:, 1] = idx[:, 0]
+    sink = torch.randn(H)
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, W ** -0.5, d_v=D if rope else None)
+    do = torch.randn_like(out)
+
+    def run(p16):
+        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, W ** -0.5, main=backward_triton,
+                                   deterministic=True, partial16=p16)
+
+    ref, got = run(False), run(True)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[2], got[2])
+    err = (got[1].float() - ref[1].float()).norm() / ref[1].float().norm()
+    assert 0 < err < 2e-3, err
+    monkeypatch.setattr(kbwd, "PARTIAL_BYTES", 2 * H * K * W * 4)  # (two or three tokens a chunk)
+    again = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+def test_16_bit_rows_need_the_deterministic_partial_rows():
+    from dsv4_sparse_attn.kernels import backward as kbwd
+    from dsv4_sparse_attn.kernels import backward_triton
+
+    q, kv = torch.randn(2, 3, 64).half(), torch.randn(8, 64).half()
+    idx = torch.zeros(2, 4, dtype=torch.int32)
+    lse, do = torch.zeros(2, 3), torch.randn(2, 3, 64).half()
+    with pytest.raises(ValueError, match="16-bit partial rows"):
+        kbwd.sparse_mla_bwd(do, None, q, kv, do, lse, idx, None, 0.125, main=backward_triton,
+                            deterministic=False, partial16=True)
+
+
+@pytest.mark.parametrize("case", ["T5-H3-D256-N30-K7-dup", "T4-H70-D256-N20-K9-empty_rows",
+                                  "T5-H3-D256-N30-K7-extreme-len"], ids=str)
+def test_16_bit_rows_against_the_float64_oracle(case):
+    """The deterministic backward with 16-bit partial rows against the float64 oracle
+    (grad_q poisoned, grad_lse and grad_sink included; masked, duplicated and out-of-range
+    ids, empty rows, extreme sinks, per-token lengths)."""
+    from kernel_checks import Case, check_backward
+
+    T, H, D, N, K, ids, *rest = case.split("-")
+    c = Case(int(T[1:]), int(H[1:]), int(D[1:]), int(N[1:]), int(K[1:]), ids=ids, lengths="len" in rest,
+             dtype=torch.float16, sink_scale=30.0 if ids == "extreme" else 1.0)
+    check_backward(c, "cpu", deterministic=True, partial16=True)

@@ -182,7 +182,7 @@ def _partial_row(PARTIAL, entry, K, k_stride, N_HB: tl.constexpr, D: tl.constexp
 def _sum_parts(ptr, m, k_stride, N_HB: tl.constexpr, D: tl.constexpr, eptr=None, P16: tl.constexpr = False):
     """An entry's partial row, its N_HB head-block parts (``ptr``: the first's columns)
     added in part order. ``P16`` (a prototype of 16-bit partial rows, not used by the
-    backward yet: docs/performance/backward.md#partial-rows-in-16-bits-cpu-precision-not-built):
+    backward yet: docs/performance/backward.md#partial-rows-in-16-bits-prototype-untimed):
     the rows are fp16 and each 64-column segment has a power-of-two scale 2^s, s an int8 in
     [-126, 127] at ``eptr`` (rows of D / 64); the value, the fp16 times 2^s, is exact in fp32."""
     x = tl.load(ptr, mask=m, other=0.0)
@@ -586,14 +586,16 @@ def exact_sums_apply(main, q: torch.Tensor, grad_out: torch.Tensor, exact: bool 
 
 def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scale, main,
                    deterministic: bool = True, grad_q: torch.Tensor | None = None,
-                   topk_length: torch.Tensor | None = None, exact: bool | None = None, **main_options):
+                   topk_length: torch.Tensor | None = None, exact: bool | None = None,
+                   partial16: bool = False, **main_options):
     """The backward with main kernel ``main`` (the module ``backward_gluon`` or
     ``backward_triton``; the caller checked its ``rejects``). Returns grad_q [T,H,D],
     grad_kv [N,D] in kv's dtype, grad_sink ([H] fp32, or empty without sink). CPU tensors
     run under the Triton interpreter (tests only); ``main_options`` go to ``main.launch``.
     ``exact`` (deterministic mode): the exact two-word sums (True) or the partial rows and
     their fold (False); None: ``exact_sums_apply``'s default; True in the fast mode is an
-    error."""
+    error. ``partial16`` (a prototype, deterministic mode with a main kernel that has it):
+    the partial rows in 16 bits (fp16, a power-of-two scale a 64-column segment)."""
     if exact and not deterministic:  # (the fast mode's fp32 sums have no exact form to take)
         raise ValueError("exact sums are a deterministic-mode option; the fast mode got exact=True")
     T, H, D = q.shape
@@ -608,6 +610,9 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     k_stride = main.partial_slots(K)
     exact = deterministic and exact_sums_apply(main, q, grad_out, exact)
     one_launch = not deterministic or exact  # (the whole of T in one main launch, no partial rows)
+    if partial16 and (one_launch or not getattr(main, "PARTIAL_16", False) or D % 64):
+        raise ValueError(f"16-bit partial rows: the deterministic mode's partial rows with the Triton "
+                         f"main kernel at D a multiple of 64 (here {main.NAME}, D = {D})")
     paired = main.pairs_head_blocks(n_hb, deterministic and not exact)
     n_part = n_hb // 2 if paired else n_hb
 
@@ -661,12 +666,19 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             launch(0, T, None, counters[4:] if n_main_flags else None)
     elif T > 0:
         n_sm = cuda_properties(dev).multi_processor_count if dev.type == "cuda" else 0
-        chunk = chunk_tokens(T, n_part, k_stride, D, PARTIAL_BYTES, n_sm)
+        # (16-bit rows: 2 bytes a value and a byte a 64-column segment, where fp32 rows take 4)
+        budget = PARTIAL_BYTES * 256 // 129 if partial16 else PARTIAL_BYTES
+        chunk = chunk_tokens(T, n_part, k_stride, D, budget, n_sm)
         if topk_length is not None and n_part * k_stride * D * 4 >= LENGTH_ORDER_MIN_BYTES:
             tokens = length_order(topk_length, K)
         if topk_length is not None and hasattr(main, "schedule"):
             orders = main.schedule(topk_length, chunk, H, paired, tokens)
-        partial = torch.empty((chunk, n_part, k_stride, D), dtype=torch.float32, device=dev)
+        partial = torch.empty((chunk, n_part, k_stride, D), device=dev,
+                              dtype=torch.float16 if partial16 else torch.float32)
+        if partial16:
+            main_options = dict(main_options, partial_exp=torch.empty((chunk, n_part, k_stride, D // 64),
+                                                                      dtype=torch.int8, device=dev))
+        fold16 = dict(EXP=main_options["partial_exp"], P16=True) if partial16 else {}
         # Sort keys as narrow as N allows: the radix sort makes one pass per key byte
         # (int64 keys: 8 passes, int16: 2).
         key_dtype = torch.int16 if N < 2**15 - 1 else torch.int32 if N < 2**31 - 1 else torch.int64
@@ -704,13 +716,13 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                     _dkv_fold_runs_kernel[(runs_grid,)](
                         partial, order[c], sorted_ids[c], seg[c], acc, K, k_stride, N,
                         D=D, BLOCK_D=next_pow2(D), N_HB=n_part, UNROLL=runs_unroll, PRELOAD=runs_preload,
-                        num_warps=runs_warps)
+                        num_warps=runs_warps, **fold16)
                     continue
                 _dkv_reduce_kernel[(triton.cdiv(N, rows_per_program), triton.cdiv(D, block_d))](
                     partial, order[c], seg[c], acc, K, k_stride, N,
                     D=D, BLOCK_D=block_d, N_HB=n_part, MASK_D=D % block_d != 0, ROWS=rows_per_program,
                     UNROLL=unroll,
-                    num_warps=fold_warps,
+                    num_warps=fold_warps, **fold16,
                 )
 
     # (the epilogue reads every accumulator row: its window gives the persisting lines back)

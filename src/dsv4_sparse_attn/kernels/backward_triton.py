@@ -24,6 +24,9 @@ from .common import head_block, interpreting, load_tile, slot_end, slot_rows, tr
 from .exact_sums import split_to_grid
 
 NAME = "triton"
+# 16-bit partial rows (``backward.sparse_mla_bwd(partial16=True)``, a prototype): ``launch``
+# takes ``partial_exp``
+PARTIAL_16 = True
 ACC_FAKE_ORDER = False  # the fast mode's accumulator is [N, D] in natural column order
 
 
@@ -33,11 +36,14 @@ _MAIN_RUNTIME_INTS = ["T", "H", "N", "K", "t_begin", "stride_it", "stride_lt"]
 
 
 @triton.jit
-def _send_part(part, ptr, mask, code, ATOMIC: tl.constexpr, EXACT: tl.constexpr, W: tl.constexpr):
+def _send_part(part, ptr, mask, code, ATOMIC: tl.constexpr, EXACT: tl.constexpr, W: tl.constexpr,
+               eptr=None, P16: tl.constexpr = False):
     """A transposed dKV tile to its rows: fp32 atomic adds (``ATOMIC``; ``EXACT``: each value
     split into two words on its row's grid, ``code`` [1, BLOCK_K], the lo word W columns
-    on: exact_sums), or stores to the partial rows."""
-    if EXACT:
+    on: exact_sums), or stores to the partial rows (``P16``: see ``_store_16``)."""
+    if P16:
+        _store_16(part, ptr, eptr, mask)
+    elif EXACT:
         hi, lo = split_to_grid(part, code)
         tl.atomic_add(ptr, hi, mask=mask, sem="relaxed")
         tl.atomic_add(ptr + W, lo, mask=mask, sem="relaxed")
@@ -48,23 +54,44 @@ def _send_part(part, ptr, mask, code, ATOMIC: tl.constexpr, EXACT: tl.constexpr,
 
 
 @triton.jit
+def _store_16(part, ptr, eptr, mask):
+    """A prototype of 16-bit partial rows
+    (docs/performance/backward.md#partial-rows-in-16-bits-prototype-untimed): the
+    transposed tile ``part`` ([64 j columns, BLOCK_K slots] fp32) as fp16, each slot's
+    64-column segment scaled by 2^-s so that its largest |value| lies in [2^14, 2^15) (s in
+    [-126, 126]; 0 for a zero segment), s stored as an int8 at ``eptr`` ([j, BLOCK_K]: the
+    segments). The fold (``backward._sum_parts``) undoes the scale exactly."""
+    C: tl.constexpr = part.shape[0]
+    BK: tl.constexpr = part.shape[1]
+    seg = tl.reshape(part, (C // 64, 64, BK))
+    big = tl.max(tl.abs(seg), axis=1)  # [C / 64, BLOCK_K]
+    e = ((big.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2) of a normal max
+    s = tl.where(big == 0.0, 0, tl.minimum(tl.maximum(e - 14, -126), 126))
+    inv = ((127 - s) << 23).to(tl.float32, bitcast=True)  # 2^-s, exact
+    v = tl.reshape(seg * inv[:, None, :], (C, BK)).to(tl.float16)
+    tl.store(ptr, v, mask=mask)
+    tl.store(eptr, s.to(tl.int8), mask=mask)
+
+
+@triton.jit
 def _dkv_quarter(p_mm, ds_mm, do_x, q_x, ptr, mask, code, ATOMIC: tl.constexpr, EXACT: tl.constexpr,
-                 W: tl.constexpr):
+                 W: tl.constexpr, eptr=None, P16: tl.constexpr = False):
     """One D quarter of this slot block's dKV rows, transposed: dO^T P + Q^T (scale dS).
 
     Computed as [D/4, BLOCK_K] so the wgmma M dimension is D/4 (a multiple of 64)
     whatever BLOCK_K is; ``ptr``/``mask`` address the transposed tile.
     """
     part = tl.dot(tl.trans(do_x), p_mm, tl.dot(tl.trans(q_x), ds_mm))
-    _send_part(part, ptr, mask, code, ATOMIC, EXACT, W)
+    _send_part(part, ptr, mask, code, ATOMIC, EXACT, W, eptr, P16)
 
 
 @triton.jit
-def _dkv_score_only(ds_mm, q_x, ptr, mask, code, ATOMIC: tl.constexpr, EXACT: tl.constexpr, W: tl.constexpr):
+def _dkv_score_only(ds_mm, q_x, ptr, mask, code, ATOMIC: tl.constexpr, EXACT: tl.constexpr, W: tl.constexpr,
+                    eptr=None, P16: tl.constexpr = False):
     """The dKV rows of the score-only (rotary) columns, transposed: Q^T (scale dS); no
     P^T dO term, since those columns are no value."""
     part = tl.dot(tl.trans(q_x), ds_mm)
-    _send_part(part, ptr, mask, code, ATOMIC, EXACT, W)
+    _send_part(part, ptr, mask, code, ATOMIC, EXACT, W, eptr, P16)
 
 
 @triton.jit(do_not_specialize=_MAIN_RUNTIME_INTS)
@@ -82,6 +109,8 @@ def _bwd_main_kernel(
     DOT_FP32: tl.constexpr,
     ROPE: tl.constexpr = 0,
     EXACT: tl.constexpr = False,
+    EXP=None,
+    P16: tl.constexpr = False,
 ):
     # D: the value columns (dO's width); q, kv, dQ and dKV rows have W = D + ROPE columns,
     # the last ROPE of them (the V3.2 layout's rotary part) in the scores only.
@@ -183,13 +212,22 @@ def _bwd_main_kernel(
             row_ptr = PARTIAL + ((pid_c * n_hb + pid_h) * K + offs_k[None, :].to(tl.int64)) * W
             out_mask = (offs_k < K)[None, :]
         out_ptr = row_ptr + offs_dt
-        _dkv_quarter(p_mm, ds_sc, do0, q0, out_ptr, out_mask, code, ATOMIC, EXACT, W)
-        _dkv_quarter(p_mm, ds_sc, do1, q1, out_ptr + QD, out_mask, code, ATOMIC, EXACT, W)
-        _dkv_quarter(p_mm, ds_sc, do2, q2, out_ptr + 2 * QD, out_mask, code, ATOMIC, EXACT, W)
-        _dkv_quarter(p_mm, ds_sc, do3, q3, out_ptr + 3 * QD, out_mask, code, ATOMIC, EXACT, W)
+        e_ptr = None
+        if P16:  # each slot's 64-column segments' scales (rows of W / 64 int8)
+            tl.static_assert(QD % 64 == 0 and ROPE % 64 == 0 and not ATOMIC and not EXACT)
+            e_row = EXP + ((pid_c * n_hb + pid_h) * K + offs_k[None, :].to(tl.int64)) * (W // 64)
+            e_ptr = e_row + tl.arange(0, QD // 64)[:, None]
+        _dkv_quarter(p_mm, ds_sc, do0, q0, out_ptr, out_mask, code, ATOMIC, EXACT, W, e_ptr, P16)
+        _dkv_quarter(p_mm, ds_sc, do1, q1, out_ptr + QD, out_mask, code, ATOMIC, EXACT, W,
+                     e_ptr + QD // 64 if P16 else None, P16)
+        _dkv_quarter(p_mm, ds_sc, do2, q2, out_ptr + 2 * QD, out_mask, code, ATOMIC, EXACT, W,
+                     e_ptr + 2 * (QD // 64) if P16 else None, P16)
+        _dkv_quarter(p_mm, ds_sc, do3, q3, out_ptr + 3 * QD, out_mask, code, ATOMIC, EXACT, W,
+                     e_ptr + 3 * (QD // 64) if P16 else None, P16)
         if ROPE > 0:
+            e_rope = e_row + D // 64 + tl.arange(0, ROPE // 64)[:, None] if P16 else None
             _dkv_score_only(ds_sc, q_r, row_ptr + D + tl.arange(0, ROPE)[:, None], out_mask, code, ATOMIC,
-                            EXACT, W)
+                            EXACT, W, e_rope, P16)
 
     dq_ptr = DQ + pid_t * stride_gt + h64 * stride_gh + offs_d
     tl.store(dq_ptr, (dq0 * scale).to(DQ.dtype.element_ty), mask=hm)
@@ -249,12 +287,13 @@ def exact_sums_ok(W: int, D: int) -> bool:
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, tokens=None, config: BwdConfig | None = None,
-           exact_codes=None):
+           exact_codes=None, partial_exp=None):
     """One chunk of tokens [t_begin, t_begin + n_tok) or, with ``topk_length``, the tokens
     ``tokens`` (int32 [n_tok]; default those of [t_begin, t_begin + n_tok)): dKV rows to
     ``partial`` ([n_tok, n_hb, K, D] fp32, in the chunk's order) or, without it, added to
     ``acc`` ([N, D] fp32; with ``exact_codes``, int32 [N] from ``exact_sums.row_codes``,
-    [N, 2 D]: each row's hi words, then its lo words)."""
+    [N, 2 D]: each row's hi words, then its lo words). ``partial_exp`` (a prototype): the
+    partial rows are fp16 with an int8 scale a 64-column segment here ([n_tok, n_hb, K, W / 64])."""
     if exact_codes is not None and partial is not None:
         raise ValueError("exact_codes: the sums go to the accumulator, not to partial rows")
     T, H, W = q.shape
@@ -273,5 +312,6 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         scale, scale_log2,
         D=D, ROPE=W - D, BLOCK_H=cfg.BLOCK_H, BLOCK_K=cfg.BLOCK_K, ATOMIC=partial is None,
         HAS_LEN=topk_length is not None, EXACT=exact_codes is not None,
+        EXP=partial_exp, P16=partial_exp is not None,
         DOT_FP32=interpreting(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

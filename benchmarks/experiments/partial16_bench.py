@@ -1,0 +1,79 @@
+"""The deterministic backward with its partial rows in 16 bits (fp16, a power-of-two scale a
+64-column segment; the prototype ``sparse_mla_bwd(partial16=True)``, Triton main kernel only)
+against fp32 rows, A, B, B, A in one process, with each arm's time split between the main
+kernel and the fold (torch.profiler), next to the Gluon deterministic and fast modes.
+
+    PYTHONPATH=src:tests:benchmarks/experiments python benchmarks/experiments/partial16_bench.py
+
+Why: the deterministic mode's cost beyond the fast mode is its partial rows' bytes; 16-bit
+rows halve them and err 8x below grad_kv's bf16 rounding
+(docs/performance/backward.md#partial-rows-in-16-bits-prototype-untimed).
+Prediction: the fold's time about halves (it reads at a fixed TB/s: H64 K640 about 1.4 ->
+0.75 ms on the H200); the Triton main kernel's stores at half the bytes take a few percent
+off it or nothing (its fp16 conversion and the segments' maxima cost instructions).
+"""
+import json
+import os
+
+import torch
+import triton
+from torch.profiler import ProfilerActivity, profile
+
+import dsv4_sparse_attn  # noqa: F401
+from dsv4_sparse_attn.kernels import backward as kbwd
+from dsv4_sparse_attn.kernels import backward_gluon, backward_triton
+from side_by_side import pool_inputs, relerr
+
+D = 512
+ROWS = [(4096, 64, 640, "distinct"), (4096, 128, 1152, "distinct"), (32768, 64, 640, "distinct")]
+# P16_ROWS="0,1": rows of ROWS (default the first two); P16_REPS: A, B passes (default 2)
+ROWS = [ROWS[int(i)] for i in os.environ.get("P16_ROWS", "0,1").split(",")]
+REPS = int(os.environ.get("P16_REPS", "2"))
+
+
+def split(run):
+    """ms of the main kernel, the fold and the rest, from one profiled call."""
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    parts = dict(main=0.0, fold=0.0, other=0.0)
+    for e in prof.key_averages():
+        t = e.device_time_total / 1e3
+        key = "main" if "bwd_main" in e.key else "fold" if ("dkv_reduce" in e.key or "fold_runs" in e.key) \
+            else "other"
+        parts[key] += t
+    return {k: round(v, 3) for k, v in parts.items()}
+
+
+for T, H, K, ids in ROWS:
+    q, kv, idx, sink, do, out, lse = pool_inputs(T, H, K, ids)
+    arms = {
+        "triton_fp32": lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
+                                                   main=backward_triton, deterministic=True),
+        "triton_16": lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
+                                                 main=backward_triton, deterministic=True, partial16=True),
+        "gluon_det": lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
+                                                 main=backward_gluon, deterministic=True),
+        "gluon_fast": lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
+                                                  main=backward_gluon, deterministic=False),
+    }
+    ref = arms["triton_fp32"]()
+    got = arms["triton_16"]()
+    r = dict(T=T, H=H, K=K, ids=ids, err_dkv_16_vs_fp32=relerr(got[1].float(), ref[1].float()),
+             dq_equal=bool(torch.equal(got[0], ref[0])),
+             dkv_16_bitwise_rerun=bool(torch.equal(got[1], arms["triton_16"]()[1])))
+    ref = got = None
+    fl = 10 * T * H * K * D
+    names = list(arms)
+    for rep in range(REPS):
+        for name in (names if rep % 2 == 0 else names[::-1]):
+            ms = triton.testing.do_bench(arms[name], warmup=3, rep=100, return_mode="median")
+            r[f"{name}_ms_{rep}"] = round(ms, 4)
+            r[f"{name}_tflops_{rep}"] = round(fl / ms * 1e-9, 1)
+    for name in ("triton_fp32", "triton_16", "gluon_det"):
+        r[f"{name}_split"] = split(arms[name])
+    print(json.dumps(r), flush=True)
+    q = kv = idx = out = lse = do = None
+    torch.cuda.empty_cache()
