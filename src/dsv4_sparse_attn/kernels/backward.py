@@ -181,8 +181,9 @@ def _partial_row(PARTIAL, entry, K, k_stride, N_HB: tl.constexpr, D: tl.constexp
 @triton.jit
 def _sum_parts(ptr, m, k_stride, N_HB: tl.constexpr, D: tl.constexpr, eptr=None, P16: tl.constexpr = False):
     """An entry's partial row, its N_HB head-block parts (``ptr``: the first's columns)
-    added in part order. ``P16`` (a prototype of 16-bit partial rows, not used by the
-    backward yet: docs/performance/backward.md#partial-rows-in-16-bits-prototype-untimed):
+    added in part order. ``P16`` (16-bit partial rows, the prototype option
+    ``sparse_mla_bwd(partial16=True)``;
+    docs/performance/backward.md#partial-rows-in-16-bits-prototype-untimed):
     the rows are fp16 and each 64-column segment has a power-of-two scale 2^s, s an int8 in
     [-126, 127] at ``eptr`` (rows of D / 64); the value, the fp16 times 2^s, is exact in fp32."""
     x = tl.load(ptr, mask=m, other=0.0)
