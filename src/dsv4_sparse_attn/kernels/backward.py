@@ -676,10 +676,11 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             orders = main.schedule(topk_length, chunk, H, paired, tokens)
         partial = torch.empty((chunk, n_part, k_stride, D), device=dev,
                               dtype=torch.float16 if partial16 else torch.float32)
+        fold16 = {}  # (the fold's arguments for 16-bit rows: their scales)
         if partial16:
-            main_options = dict(main_options, partial_exp=torch.empty((chunk, n_part, k_stride, D // 64),
-                                                                      dtype=torch.int8, device=dev))
-        fold16 = dict(EXP=main_options["partial_exp"], P16=True) if partial16 else {}
+            partial_exp = torch.empty((chunk, n_part, k_stride, D // 64), dtype=torch.int8, device=dev)
+            main_options = dict(main_options, partial_exp=partial_exp)
+            fold16 = dict(EXP=partial_exp, P16=True)
         # Sort keys as narrow as N allows: the radix sort makes one pass per key byte
         # (int64 keys: 8 passes, int16: 2).
         key_dtype = torch.int16 if N < 2**15 - 1 else torch.int32 if N < 2**31 - 1 else torch.int64
