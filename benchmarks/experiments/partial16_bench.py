@@ -7,10 +7,12 @@ kernel and the fold (torch.profiler), next to the Gluon deterministic and fast m
 
 Why: the deterministic mode's cost beyond the fast mode is its partial rows' bytes; 16-bit
 rows halve them and err 8x below grad_kv's bf16 rounding
-(docs/performance/backward.md#partial-rows-in-16-bits-prototype-untimed).
-Prediction: the fold's time about halves (it reads at a fixed TB/s: H64 K640 about 1.4 ->
-0.75 ms on the H200); the Triton main kernel's stores at half the bytes take a few percent
-off it or nothing (its fp16 conversion and the segments' maxima cost instructions).
+(docs/performance/backward.md#partial-rows-in-16-bits-prototype).
+Measured first (203e5df, H100): the fold 1.8x slower with 16-bit rows (a scale byte loaded
+with each value). Prediction with one scale word an entry and part: the fold's time about
+halves (it reads at a fixed TB/s: H64 K640 about 1.4 -> 0.75 ms on the H200); the Triton
+main kernel's stores at half the bytes take a few percent off it or nothing (its fp16
+conversion and the segments' maxima cost instructions).
 """
 import json
 import os
@@ -29,6 +31,17 @@ ROWS = [(4096, 64, 640, "distinct"), (4096, 128, 1152, "distinct"), (32768, 64, 
 # P16_ROWS="0,1": rows of ROWS (default the first two); P16_REPS: A, B passes (default 2)
 ROWS = [ROWS[int(i)] for i in os.environ.get("P16_ROWS", "0,1").split(",")]
 REPS = int(os.environ.get("P16_REPS", "2"))
+
+
+def runs_fold(run):
+    """``run`` with the fold cut by entry runs (``backward.FOLD_RUNS``)."""
+    def forced():
+        saved, kbwd.FOLD_RUNS = kbwd.FOLD_RUNS, True
+        try:
+            return run()
+        finally:
+            kbwd.FOLD_RUNS = saved
+    return forced
 
 
 def split(run):
@@ -59,6 +72,9 @@ for T, H, K, ids in ROWS:
         "gluon_fast": lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
                                                   main=backward_gluon, deterministic=False),
     }
+    # the fold cut by entry runs (the long contexts' fold) at these rows too
+    arms["triton_fp32_runs"] = runs_fold(arms["triton_fp32"])
+    arms["triton_16_runs"] = runs_fold(arms["triton_16"])
     ref = arms["triton_fp32"]()
     got = arms["triton_16"]()
     r = dict(T=T, H=H, K=K, ids=ids, err_dkv_16_vs_fp32=relerr(got[1].float(), ref[1].float()),
@@ -72,7 +88,7 @@ for T, H, K, ids in ROWS:
             ms = triton.testing.do_bench(arms[name], warmup=3, rep=100, return_mode="median")
             r[f"{name}_ms_{rep}"] = round(ms, 4)
             r[f"{name}_tflops_{rep}"] = round(fl / ms * 1e-9, 1)
-    for name in ("triton_fp32", "triton_16", "gluon_det"):
+    for name in ("triton_fp32", "triton_16", "triton_fp32_runs", "triton_16_runs", "gluon_det"):
         r[f"{name}_split"] = split(arms[name])
     print(json.dumps(r), flush=True)
     q = kv = idx = out = lse = do = None

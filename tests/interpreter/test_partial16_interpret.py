@@ -1,6 +1,6 @@
 """A prototype of 16-bit partial rows for the deterministic fold (``P16`` in
 ``backward._dkv_reduce_kernel`` and ``_dkv_fold_runs_kernel``; not used by the backward
-yet: docs/performance/backward.md#partial-rows-in-16-bits-prototype-untimed): rows
+yet: docs/performance/backward.md#partial-rows-in-16-bits-prototype): rows
 of fp16 values with a power-of-two scale a 64-column segment fold to the same bits as the
 fp32 rows they decode to, exactly, in both folds, with one and two head-block parts."""
 from __future__ import annotations
@@ -22,17 +22,26 @@ def _entries(T, K, N, seed):
 
 
 def _rows16(T, n_hb, K, D, seed):
-    """fp16 partial rows, int8 scales in [-40, 20] a 64-column segment, and the fp32 rows
-    they stand for (value = fp16 * 2^s: exact in fp32)."""
+    """fp16 partial rows, scales 2^s with s in [-40, 20] a 64-column segment (packed), and
+    the fp32 rows they stand for (value = fp16 * 2^s: exact in fp32)."""
     g = torch.Generator().manual_seed(seed)
     v = (torch.randn(T, n_hb, K, D, generator=g) * 1e4).clamp(-6e4, 6e4).half()
     s = torch.randint(-40, 21, (T, n_hb, K, D // 64), generator=g, dtype=torch.int8)
     dec = v.float() * torch.exp2(s.float()).repeat_interleave(64, dim=-1)
     assert torch.equal(dec.double(), v.double() * torch.exp2(s.double()).repeat_interleave(64, dim=-1))
-    return v, s, dec
+    return v, pack_scales(s), dec
 
 
-@pytest.mark.parametrize("n_hb, D", [(1, 128), (2, 192)])
+def pack_scales(s):
+    """int8 scales [..., segments] as the kernels hold them: biased exponent bytes s + 127 in
+    int64 words, a byte a segment (the spare bytes of the last word random: never read)."""
+    n_words = -(-s.shape[-1] // 8)
+    b = torch.randint(0, 256, (*s.shape[:-1], 8 * n_words), dtype=torch.uint8)
+    b[..., :s.shape[-1]] = (s.to(torch.int32) + 127).to(torch.uint8)
+    return b.view(torch.int64)
+
+
+@pytest.mark.parametrize("n_hb, D", [(1, 128), (2, 192), (2, 576)])
 def test_fold_of_16_bit_rows_equals_the_fold_of_their_fp32_values(n_hb, D):
     from dsv4_sparse_attn.kernels import backward as kbwd
 

@@ -163,10 +163,10 @@ def _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.cons
         m = ok[:, None] & d_ok[None, :]
     else:  # (a mask constant along the row: 16-byte loads)
         m = ok[:, None]
-    eptr = None
-    if P16:
-        eptr = _partial_row(EXP, entry, K, k_stride, N_HB, D // 64)[:, None] + (offs_d // 64)[None, :]
-    return _sum_parts(ptr, m, k_stride, N_HB, D, eptr, P16)
+    ew = None
+    if P16:  # (each row's scale words, one load a row, broadcast along it)
+        ew = _partial_row(EXP, entry, K, k_stride, N_HB, (D // 64 + 7) // 8)
+    return _sum_parts(ptr, m, k_stride, N_HB, D, ew, ok, offs_d[None, :], P16, TILE=True)
 
 
 @triton.jit
@@ -179,29 +179,50 @@ def _partial_row(PARTIAL, entry, K, k_stride, N_HB: tl.constexpr, D: tl.constexp
 
 
 @triton.jit
-def _sum_parts(ptr, m, k_stride, N_HB: tl.constexpr, D: tl.constexpr, eptr=None, P16: tl.constexpr = False):
+def _sum_parts(ptr, m, k_stride, N_HB: tl.constexpr, D: tl.constexpr, ew=None, ok=None, cols=None,
+               P16: tl.constexpr = False, TILE: tl.constexpr = False):
     """An entry's partial row, its N_HB head-block parts (``ptr``: the first's columns)
     added in part order. ``P16`` (16-bit partial rows, the prototype option
     ``sparse_mla_bwd(partial16=True)``;
-    docs/performance/backward.md#partial-rows-in-16-bits-prototype-untimed):
-    the rows are fp16 and each 64-column segment has a power-of-two scale 2^s, s an int8 in
-    [-126, 127] at ``eptr`` (rows of D / 64); the value, the fp16 times 2^s, is exact in fp32."""
+    docs/performance/backward.md#partial-rows-in-16-bits-prototype):
+    the rows are fp16 and each 64-column segment has a power-of-two scale, its biased
+    exponent a byte of the part's int64 scale words at ``ew`` (``(D / 64 + 7) / 8``; loaded
+    where ``ok``; ``TILE``: see ``_scaled``); ``cols`` are the values' columns. The value,
+    the fp16 times the scale, is exact in fp32."""
     x = tl.load(ptr, mask=m, other=0.0)
     if P16:
-        x = _scaled(x, eptr, m)
+        x = _scaled(x, ew, ok, cols, D, TILE)
     for hb in tl.static_range(1, N_HB):
         y = tl.load(ptr + hb * k_stride * D, mask=m, other=0.0)
         if P16:
-            y = _scaled(y, eptr + hb * k_stride * (D // 64), m)
+            y = _scaled(y, ew + hb * k_stride * ((D // 64 + 7) // 8), ok, cols, D, TILE)
         x += y
     return x
 
 
 @triton.jit
-def _scaled(x, eptr, m):
-    """fp16 ``x`` times 2^s, s the int8 at ``eptr`` (the float's exponent field built directly)."""
-    s = tl.load(eptr, mask=m, other=0).to(tl.int32)
-    return x.to(tl.float32) * ((s + 127) << 23).to(tl.float32, bitcast=True)
+def _scaled(x, ew, ok, cols, D: tl.constexpr, TILE: tl.constexpr):
+    """fp16 ``x`` (columns ``cols``) times its segment's scale: byte ``cols // 64`` of the
+    words at ``ew`` is the scale's biased exponent, so the float is built from its bits.
+    One word load (two at D > 512) an entry and part, not a byte load a value: ``ew`` is a
+    scalar or, with ``TILE``, one pointer a row of the tile ([ROWS], loaded so and widened
+    after: a [ROWS, 1] load would be repeated for each value a thread holds)."""
+    NW: tl.constexpr = (D // 64 + 7) // 8  # (the words a row: a byte a 64-column segment)
+    tl.static_assert(NW <= 2)
+    w = tl.load(ew, mask=ok, other=0)
+    lo = w.to(tl.int32)
+    hi = (w >> 32).to(tl.int32)
+    if TILE:
+        lo = lo[:, None]
+        hi = hi[:, None]
+    half = tl.where((cols // 256) % 2 == 0, lo, hi)
+    if NW == 2:
+        w2 = tl.load(ew + 1, mask=ok, other=0).to(tl.int32)
+        if TILE:
+            w2 = w2[:, None]
+        half = tl.where(cols < 512, half, w2)
+    e = (half >> (((cols // 64) % 4) * 8)) & 0xFF
+    return x.to(tl.float32) * (e << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit(do_not_specialize=["K", "k_stride", "N"])
@@ -339,10 +360,10 @@ def _run_entry(PARTIAL, ORDER, KEYS, ACC, e, e_hi, prev, K, k_stride, offs_d, d_
     entry = tl.load(ORDER + e, mask=ok, other=0)
     base = _partial_row(PARTIAL, entry, K, k_stride, N_HB, D)
     m = tl.where(ok, d_ok, False)  # (a scalar & a vector: not a mask the 3.9 interpreter takes)
-    eptr = None
-    if P16:
-        eptr = _partial_row(EXP, entry, K, k_stride, N_HB, D // 64) + offs_d // 64
-    x = _sum_parts(base + offs_d, m, k_stride, N_HB, D, eptr, P16)
+    ew = None
+    if P16:  # (the entry's scale words: one load, broadcast along the row)
+        ew = _partial_row(EXP, entry, K, k_stride, N_HB, (D // 64 + 7) // 8)
+    x = _sum_parts(base + offs_d, m, k_stride, N_HB, D, ew, ok, offs_d, P16)
     st = ok & (r != prev)
     if PRELOAD:
         a = tl.load(ACC + r * D + offs_d, mask=tl.where(st, d_ok, False), other=0.0)
@@ -678,7 +699,9 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                               dtype=torch.float16 if partial16 else torch.float32)
         fold16 = {}  # (the fold's arguments for 16-bit rows: their scales)
         if partial16:
-            partial_exp = torch.empty((chunk, n_part, k_stride, D // 64), dtype=torch.int8, device=dev)
+            # (each row's segment scales as biased exponent bytes, in int64 words: one load a row)
+            partial_exp = torch.empty((chunk, n_part, k_stride, triton.cdiv(D // 64, 8)), dtype=torch.int64,
+                                      device=dev)
             main_options = dict(main_options, partial_exp=partial_exp)
             fold16 = dict(EXP=partial_exp, P16=True)
         # Sort keys as narrow as N allows: the radix sort makes one pass per key byte

@@ -56,11 +56,12 @@ def _send_part(part, ptr, mask, code, ATOMIC: tl.constexpr, EXACT: tl.constexpr,
 @triton.jit
 def _store_16(part, ptr, eptr, mask):
     """A prototype of 16-bit partial rows
-    (docs/performance/backward.md#partial-rows-in-16-bits-prototype-untimed): the
+    (docs/performance/backward.md#partial-rows-in-16-bits-prototype): the
     transposed tile ``part`` ([64 j columns, BLOCK_K slots] fp32) as fp16, each slot's
     64-column segment scaled by 2^-s so that its largest |value| lies in [2^14, 2^15) (s in
-    [-126, 126]; 0 for a zero segment), s stored as an int8 at ``eptr`` ([j, BLOCK_K]: the
-    segments). The fold (``backward._sum_parts``) undoes the scale exactly."""
+    [-126, 126]; 0 for a zero segment), s stored at ``eptr`` ([j, BLOCK_K]: the segments'
+    bytes) as its biased exponent s + 127. The fold (``backward._sum_parts``) undoes the
+    scale exactly."""
     C: tl.constexpr = part.shape[0]
     BK: tl.constexpr = part.shape[1]
     seg = tl.reshape(part, (C // 64, 64, BK))
@@ -70,7 +71,7 @@ def _store_16(part, ptr, eptr, mask):
     inv = ((127 - s) << 23).to(tl.float32, bitcast=True)  # 2^-s, exact
     v = tl.reshape(seg * inv[:, None, :], (C, BK)).to(tl.float16)
     tl.store(ptr, v, mask=mask)
-    tl.store(eptr, s.to(tl.int8), mask=mask)
+    tl.store(eptr, (s + 127).to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -215,7 +216,10 @@ def _bwd_main_kernel(
         e_ptr = None
         if P16:  # each slot's 64-column segments' scales (rows of W / 64 int8)
             tl.static_assert(QD % 64 == 0 and ROPE % 64 == 0 and not ATOMIC and not EXACT)
-            e_row = EXP + ((pid_c * n_hb + pid_h) * K + offs_k[None, :].to(tl.int64)) * (W // 64)
+            # (int64 words, a byte a segment: its scale's biased exponent; the fold loads a word at once)
+            e_bytes: tl.constexpr = 8 * ((W // 64 + 7) // 8)
+            e_row = EXP.to(tl.pointer_type(tl.uint8)) + ((pid_c * n_hb + pid_h) * K
+                                                         + offs_k[None, :].to(tl.int64)) * e_bytes
             e_ptr = e_row + tl.arange(0, QD // 64)[:, None]
         _dkv_quarter(p_mm, ds_sc, do0, q0, out_ptr, out_mask, code, ATOMIC, EXACT, W, e_ptr, P16)
         _dkv_quarter(p_mm, ds_sc, do1, q1, out_ptr + QD, out_mask, code, ATOMIC, EXACT, W,
@@ -293,7 +297,8 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     ``partial`` ([n_tok, n_hb, K, D] fp32, in the chunk's order) or, without it, added to
     ``acc`` ([N, D] fp32; with ``exact_codes``, int32 [N] from ``exact_sums.row_codes``,
     [N, 2 D]: each row's hi words, then its lo words). ``partial_exp`` (a prototype): the
-    partial rows are fp16 with an int8 scale a 64-column segment here ([n_tok, n_hb, K, W / 64])."""
+    partial rows are fp16 with a scale a 64-column segment here (int64 [n_tok, n_hb, K, words]: a
+    biased exponent byte a segment, ``(W / 64 + 7) / 8`` words a row)."""
     if exact_codes is not None and partial is not None:
         raise ValueError("exact_codes: the sums go to the accumulator, not to partial rows")
     T, H, W = q.shape
