@@ -102,6 +102,10 @@ FOLD_BLOCK_D_MASKED_TILE = 256
 # tens to hundreds of entries: one row a program reads at 3.8 TB/s) 8-38% slower in
 # (8 | 4, 4, 4 | 8) configurations.
 FOLD_RUNS = None
+# Entries a step of the one-row fold of 16-bit partial rows with one part (``sparse_mla_bwd(
+# partial16=True)``): a step's rows are half the bytes of fp32 rows, so twice the entries keep
+# as many bytes in flight (90 registers against 62 at 8, Triton 3.6, sm_90)
+FOLD_16_UNROLL = 16
 FOLD_RUNS_CONFIG = (4, 2, 16, True)
 # kv rows an SM beyond which a chunk leaves most rows without entries (long contexts): the
 # fold by rows takes several rows a program there (``fold_tile``), the fold by entry runs
@@ -225,6 +229,17 @@ def _scaled(x, ew, ok, cols, D: tl.constexpr, TILE: tl.constexpr):
     return x.to(tl.float32) * (e << 23).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _four_entries(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.constexpr, D: tl.constexpr,
+                  MASK_D: tl.constexpr, EXP=None, P16: tl.constexpr = False):
+    """Entries e .. e + 3 of each of the program's rows (``_entry_rows``), loaded together."""
+    x0 = _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D, EXP, P16)
+    x1 = _entry_rows(PARTIAL, ORDER, e + 1, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D, EXP, P16)
+    x2 = _entry_rows(PARTIAL, ORDER, e + 2, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D, EXP, P16)
+    x3 = _entry_rows(PARTIAL, ORDER, e + 3, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D, EXP, P16)
+    return x0, x1, x2, x3
+
+
 @triton.jit(do_not_specialize=["K", "k_stride", "N"])
 def _dkv_reduce_kernel(
     PARTIAL, ORDER, SEG, ACC, K, k_stride, N,
@@ -246,7 +261,7 @@ def _dkv_reduce_kernel(
     T = 4096; docs/performance/backward.md#the-fold-at-long-contexts).
     N_HB, the head-block parts per partial row (1 or 2 in practice), is compile-time.
     """
-    tl.static_assert(UNROLL == 4 or UNROLL == 8)
+    tl.static_assert(UNROLL == 4 or UNROLL == 8 or UNROLL == 16)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D  # (BLOCK_D columns a program; D = 576 ends in a quarter-used block)
@@ -262,32 +277,34 @@ def _dkv_reduce_kernel(
         acc = tl.load(acc_ptr, mask=live, other=0.0)
         for e0 in range(0, n_max, UNROLL):
             e = start + e0
-            x0 = _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
-                             EXP, P16)
-            x1 = _entry_rows(PARTIAL, ORDER, e + 1, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
-                             EXP, P16)
-            x2 = _entry_rows(PARTIAL, ORDER, e + 2, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
-                             EXP, P16)
-            x3 = _entry_rows(PARTIAL, ORDER, e + 3, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
-                             EXP, P16)
-            if UNROLL == 8:
-                x4 = _entry_rows(PARTIAL, ORDER, e + 4, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
-                                 EXP, P16)
-                x5 = _entry_rows(PARTIAL, ORDER, e + 5, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
-                                 EXP, P16)
-                x6 = _entry_rows(PARTIAL, ORDER, e + 6, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
-                                 EXP, P16)
-                x7 = _entry_rows(PARTIAL, ORDER, e + 7, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
-                                 EXP, P16)
+            x0, x1, x2, x3 = _four_entries(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
+                                           EXP, P16)
+            if UNROLL >= 8:
+                x4, x5, x6, x7 = _four_entries(PARTIAL, ORDER, e + 4, end, K, k_stride, offs_d, d_ok, N_HB, D,
+                                               MASK_D, EXP, P16)
+            if UNROLL == 16:
+                x8, x9, x10, x11 = _four_entries(PARTIAL, ORDER, e + 8, end, K, k_stride, offs_d, d_ok, N_HB,
+                                                 D, MASK_D, EXP, P16)
+                x12, x13, x14, x15 = _four_entries(PARTIAL, ORDER, e + 12, end, K, k_stride, offs_d, d_ok,
+                                                   N_HB, D, MASK_D, EXP, P16)
             acc += x0
             acc += x1
             acc += x2
             acc += x3
-            if UNROLL == 8:
+            if UNROLL >= 8:
                 acc += x4
                 acc += x5
                 acc += x6
                 acc += x7
+            if UNROLL == 16:
+                acc += x8
+                acc += x9
+                acc += x10
+                acc += x11
+                acc += x12
+                acc += x13
+                acc += x14
+                acc += x15
         tl.store(acc_ptr, acc, mask=live)
 
 
@@ -713,6 +730,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         n_flags = main.flags_per_chunk(chunk, n_hb)
         lengths = topk_length if topk_length is not None else indices
         rows_per_program, unroll, fold_warps = fold_tile(N, n_sm)
+        if partial16 and rows_per_program == 1 and n_part == 1:
+            unroll = FOLD_16_UNROLL
         block_d = fold_block_d(D, rows_per_program)
         runs = fold_runs(N, n_sm)
         runs_unroll, runs_warps, runs_per_sm, runs_preload = FOLD_RUNS_CONFIG
