@@ -44,17 +44,6 @@ def runs_fold(run):
     return forced
 
 
-def unroll8(run):
-    """``run`` with the 16-bit rows' one-row fold at 8 entries a step (``FOLD_16_UNROLL``)."""
-    def forced():
-        saved, kbwd.FOLD_16_UNROLL = kbwd.FOLD_16_UNROLL, 8
-        try:
-            return run()
-        finally:
-            kbwd.FOLD_16_UNROLL = saved
-    return forced
-
-
 def split(run):
     """ms of the main kernel, the fold and the rest, from one profiled call."""
     run()
@@ -83,7 +72,6 @@ for T, H, K, ids in ROWS:
         "gluon_fast": lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
                                                   main=backward_gluon, deterministic=False),
     }
-    arms["triton_16_u8"] = unroll8(arms["triton_16"])
     # the fold cut by entry runs (the long contexts' fold) at these rows too
     arms["triton_fp32_runs"] = runs_fold(arms["triton_fp32"])
     arms["triton_16_runs"] = runs_fold(arms["triton_16"])
@@ -100,8 +88,7 @@ for T, H, K, ids in ROWS:
             ms = triton.testing.do_bench(arms[name], warmup=3, rep=100, return_mode="median")
             r[f"{name}_ms_{rep}"] = round(ms, 4)
             r[f"{name}_tflops_{rep}"] = round(fl / ms * 1e-9, 1)
-    for name in ("triton_fp32", "triton_16", "triton_16_u8", "triton_fp32_runs", "triton_16_runs",
-                 "gluon_det"):
+    for name in ("triton_fp32", "triton_16", "triton_fp32_runs", "triton_16_runs", "gluon_det"):
         r[f"{name}_split"] = split(arms[name])
     print(json.dumps(r), flush=True)
     q = kv = idx = out = lse = do = None

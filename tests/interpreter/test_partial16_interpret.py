@@ -56,11 +56,6 @@ def test_fold_of_16_bit_rows_equals_the_fold_of_their_fp32_values(n_hb, D):
         kbwd._dkv_reduce_kernel[(triton.cdiv(N, 4), 1)](
             part, order, seg, a, K, K, N, D=D, BLOCK_D=triton.next_power_of_2(D), N_HB=n_hb,
             MASK_D=D != triton.next_power_of_2(D), ROWS=4, UNROLL=4, EXP=exp, P16=p16)
-        a16 = acc0.clone()  # (one row a program, 16 entries a step: FOLD_16_UNROLL)
-        kbwd._dkv_reduce_kernel[(N, 1)](
-            part, order, seg, a16, K, K, N, D=D, BLOCK_D=triton.next_power_of_2(D), N_HB=n_hb,
-            MASK_D=D != triton.next_power_of_2(D), ROWS=1, UNROLL=16, EXP=exp, P16=p16)
-        results.append(a16)
         b = acc0.clone()
         kbwd._dkv_fold_runs_kernel[(3,)](
             part, order, keys, seg, b, K, K, N, D=D, BLOCK_D=triton.next_power_of_2(D), N_HB=n_hb,

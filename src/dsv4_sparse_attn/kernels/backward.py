@@ -102,10 +102,6 @@ FOLD_BLOCK_D_MASKED_TILE = 256
 # tens to hundreds of entries: one row a program reads at 3.8 TB/s) 8-38% slower in
 # (8 | 4, 4, 4 | 8) configurations.
 FOLD_RUNS = None
-# Entries a step of the one-row fold of 16-bit partial rows with one part (``sparse_mla_bwd(
-# partial16=True)``): a step's rows are half the bytes of fp32 rows, so twice the entries keep
-# as many bytes in flight (90 registers against 62 at 8, Triton 3.6, sm_90)
-FOLD_16_UNROLL = 16
 FOLD_RUNS_CONFIG = (4, 2, 16, True)
 # kv rows an SM beyond which a chunk leaves most rows without entries (long contexts): the
 # fold by rows takes several rows a program there (``fold_tile``), the fold by entry runs
@@ -177,9 +173,12 @@ def _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.cons
 def _partial_row(PARTIAL, entry, K, k_stride, N_HB: tl.constexpr, D: tl.constexpr):
     """The first of the partial rows of ``entry`` (flat (token-in-chunk, slot); any shape):
     ``[chunk tokens, N_HB parts, k_stride slots, D]``."""
-    tok = entry // K
-    slot = entry - tok * K
-    return PARTIAL + ((tok * N_HB) * k_stride + slot) * D
+    # (in 32 bits: a chunk's entries number fewer than 2^31 (``chunk_tokens``), and a 64-bit
+    # division costs each entry about a hundred instructions, a fold's largest share)
+    e32 = entry.to(tl.int32)
+    tok = e32 // K
+    slot = e32 - tok * K
+    return PARTIAL + ((tok.to(tl.int64) * N_HB) * k_stride + slot) * D
 
 
 @triton.jit
@@ -261,7 +260,7 @@ def _dkv_reduce_kernel(
     T = 4096; docs/performance/backward.md#the-fold-at-long-contexts).
     N_HB, the head-block parts per partial row (1 or 2 in practice), is compile-time.
     """
-    tl.static_assert(UNROLL == 4 or UNROLL == 8 or UNROLL == 16)
+    tl.static_assert(UNROLL == 4 or UNROLL == 8)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D  # (BLOCK_D columns a program; D = 576 ends in a quarter-used block)
@@ -279,32 +278,18 @@ def _dkv_reduce_kernel(
             e = start + e0
             x0, x1, x2, x3 = _four_entries(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
                                            EXP, P16)
-            if UNROLL >= 8:
+            if UNROLL == 8:
                 x4, x5, x6, x7 = _four_entries(PARTIAL, ORDER, e + 4, end, K, k_stride, offs_d, d_ok, N_HB, D,
                                                MASK_D, EXP, P16)
-            if UNROLL == 16:
-                x8, x9, x10, x11 = _four_entries(PARTIAL, ORDER, e + 8, end, K, k_stride, offs_d, d_ok, N_HB,
-                                                 D, MASK_D, EXP, P16)
-                x12, x13, x14, x15 = _four_entries(PARTIAL, ORDER, e + 12, end, K, k_stride, offs_d, d_ok,
-                                                   N_HB, D, MASK_D, EXP, P16)
             acc += x0
             acc += x1
             acc += x2
             acc += x3
-            if UNROLL >= 8:
+            if UNROLL == 8:
                 acc += x4
                 acc += x5
                 acc += x6
                 acc += x7
-            if UNROLL == 16:
-                acc += x8
-                acc += x9
-                acc += x10
-                acc += x11
-                acc += x12
-                acc += x13
-                acc += x14
-                acc += x15
         tl.store(acc_ptr, acc, mask=live)
 
 
@@ -605,6 +590,7 @@ def chunk_tokens(T: int, n_hb: int, K: int, D: int, budget: int, n_sm: int = 0) 
     """
     per_token = max(1, n_hb * K * D * 4)
     chunk = max(1, min(T, budget // per_token))
+    assert chunk * K < 2**31, "the fold numbers a chunk's entries in 32 bits"
     if n_sm and chunk < T:
         wave = math.lcm(n_sm, n_hb) // n_hb  # tokens whose programs fill whole waves
         if chunk >= wave:
@@ -730,8 +716,6 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         n_flags = main.flags_per_chunk(chunk, n_hb)
         lengths = topk_length if topk_length is not None else indices
         rows_per_program, unroll, fold_warps = fold_tile(N, n_sm)
-        if partial16 and rows_per_program == 1 and n_part == 1:
-            unroll = FOLD_16_UNROLL
         block_d = fold_block_d(D, rows_per_program)
         runs = fold_runs(N, n_sm)
         runs_unroll, runs_warps, runs_per_sm, runs_preload = FOLD_RUNS_CONFIG
