@@ -287,7 +287,7 @@ FWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", SINK="*fp32", OUT="*bf16", L
 FWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_ot", "stride_oh")
 BWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", DO="*bf16", LSE="*fp32", DELTA="*fp32",
                  DQ="*bf16", DKV="*fp32", ACC="*fp32", PARTIAL="*fp32", FLAGS="*i32", LEN="*i32", TOK="*i32",
-                 ORDER="*i32", DQR="*fp32", TR="*i32", DQP="*bf16", DQF="*fp32",
+                 ORDER="*i32", DQR="*fp32", TR="*i32", DQP="*bf16", DQF="*fp32", EXP="*i64",
                  scale="fp32",
                  scale_log2="fp32")
 BWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_dt", "stride_dh", "stride_gt", "stride_gh")
@@ -330,21 +330,24 @@ def compile_forward_gluon(has_sink=True, run_ptxas=True, has_len=False, rope=0, 
 
 def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None, rope=0,
                            evict_last=False, split=0, qd_tma=False, qd_early=0, dq_tma=False, hp=64,
-                           trans=False, parts=False, paired=False, ablate=0, exact=False) -> dict:
+                           trans=False, parts=False, paired=False, ablate=0, exact=False, p16=False) -> dict:
     """``red``: the fast mode (16-byte reductions, in whole lines unless ``lines`` is False;
     default: as the launcher does); else the deterministic partial rows. ``paired``: the
     build of a launch with head-block pairs (deterministic, H = 128; else, as the launcher
     does for one head block, ``backward_gluon._pairs_code``). ``ablate``: the launcher's
     measurement-only option (``launch(ablate=...)``), with the reductions it selects.
     ``exact``: the deterministic mode's exact two-word sums (``launch(exact_codes=...)``:
-    the reductions of the fast mode's build, PARTIAL the int32 codes)."""
+    the reductions of the fast mode's build, PARTIAL the int32 codes). ``p16``: the
+    deterministic mode's 16-bit partial rows (``launch(partial_exp=...)``: PARTIAL fp16)."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
     from dsv4_sparse_attn.kernels import hopper
 
     consts = dict(D=512, RED=G._red(not red, lines, ablate, exact), ABL=ablate, HAS_LEN=has_len, ROPE=rope,
                   EVICT_LAST=evict_last, SPLIT=split, HP=hp, TRANS=trans, PARTS=parts,
                   PAIRS=G._pairs_code(paired, not red, rope))
-    types = dict(BWD_TYPES, PARTIAL="*i32") if exact else BWD_TYPES
+    types = BWD_TYPES
+    if exact or p16:
+        types = dict(BWD_TYPES, PARTIAL="*i32" if exact else "*fp16")
     if qd_tma:  # q and dO as [T * H, D] tensor descriptors of [64, 128] tiles (launch's _qd_descriptor)
         from triton.experimental.gluon import language as gl
         layout = gl.NVMMASharedLayout.get_default_for([1, G.BLOCK_H, 128], gl.bfloat16)

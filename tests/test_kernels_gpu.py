@@ -379,10 +379,43 @@ def _record_l2_windows(monkeypatch) -> list:
 @pytest.mark.parametrize("case", [Case(300, 64, 512, 900, 640, ids="deepseek"),
                                   Case(200, 128, 512, 700, 300, ids="dup", lengths=True),
                                   Case(150, 40, 512, 500, 200, ids="extreme")], ids=str)
-def test_deterministic_backward_with_16_bit_partial_rows(case):
-    """The prototype of 16-bit partial rows (the Triton main kernel's fp16 stores with a
-    scale a 64-column segment, the fold's exact decoding) against the float64 oracle."""
-    check_backward(case, DEV, deterministic=True, partial16=True)
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+def test_deterministic_backward_with_16_bit_partial_rows(case, gluon):
+    """The prototype of 16-bit partial rows (the main kernel's fp16 stores with a scale a
+    64-column segment, the fold's exact decoding) against the float64 oracle; H = 128 and 40
+    take two head blocks a token, unpaired."""
+    check_backward(case, DEV, deterministic=True, partial16=True, main=_main(gluon))
+
+
+@pytest.mark.parametrize("H, lengths", [(64, False), (128, True), (16, False)])
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+def test_16_bit_partial_rows_give_the_same_bits_for_any_chunks(monkeypatch, gluon, H, lengths):
+    """16-bit partial rows: the same bits run to run and for chunks of 300 and of 70 tokens;
+    grad_q and grad_sink those of the fp32 rows (the rows do not enter them) and grad_kv
+    within fp16's rounding of each row of them."""
+    from helpers import relerr
+
+    monkeypatch.setattr(kbwd, "EXACT_SUMS", False)
+    main = _main(gluon)
+    c = Case(300, H, 512, 900, 640, ids="deepseek", lengths=lengths)
+    q, kv, idx, sink = make_case(c, DEV)
+    length = make_lengths(c, DEV)
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5, topk_length=length)
+    do, dl = torch.randn_like(out), torch.randn_like(lse)
+
+    def run(partial16, chunk=None):
+        with monkeypatch.context() as m:
+            if chunk:
+                m.setattr(kbwd, "PARTIAL_BYTES", chunk * -(-H // 64) * c.K * c.D * 4)
+            return kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main,
+                                       topk_length=length, partial16=partial16)
+
+    a = run(True)
+    for b in (run(True), run(True, chunk=70)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    f = run(False)
+    assert torch.equal(a[0], f[0]) and torch.equal(a[2], f[2])
+    assert relerr(a[1].float(), f[1].float()) < 2e-3
 
 
 @pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])

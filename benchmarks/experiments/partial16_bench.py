@@ -1,5 +1,5 @@
 """The deterministic backward with its partial rows in 16 bits (fp16, a power-of-two scale a
-64-column segment; the prototype ``sparse_mla_bwd(partial16=True)``, Triton main kernel only)
+64-column segment; the prototype ``sparse_mla_bwd(partial16=True)``, Triton and Gluon main kernels)
 against fp32 rows, A, B, B, A in one process, with each arm's time split between the main
 kernel and the fold (torch.profiler), next to the Gluon deterministic and fast modes.
 
@@ -27,9 +27,10 @@ from dsv4_sparse_attn.kernels import backward_gluon, backward_triton
 from side_by_side import pool_inputs, relerr
 
 D = 512
-ROWS = [(4096, 64, 640, "distinct"), (4096, 128, 1152, "distinct"), (32768, 64, 640, "distinct")]
-# P16_ROWS="0,1": rows of ROWS (default the first two); P16_REPS: A, B passes (default 2)
-ROWS = [ROWS[int(i)] for i in os.environ.get("P16_ROWS", "0,1").split(",")]
+ROWS = [(4096, 64, 640, "distinct"), (4096, 128, 1152, "distinct"), (32768, 64, 640, "distinct"),
+        (4096, 16, 1152, "distinct"), (4096, 32, 1152, "distinct")]
+# P16_ROWS="0,1": rows of ROWS (default 0, 1, 3, 4); P16_REPS: A, B passes (default 2)
+ROWS = [ROWS[int(i)] for i in os.environ.get("P16_ROWS", "0,1,3,4").split(",")]
 REPS = int(os.environ.get("P16_REPS", "2"))
 
 
@@ -67,6 +68,8 @@ for T, H, K, ids in ROWS:
                                                    main=backward_triton, deterministic=True),
         "triton_16": lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
                                                  main=backward_triton, deterministic=True, partial16=True),
+        "gluon_16": lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
+                                                main=backward_gluon, deterministic=True, partial16=True),
         "gluon_det": lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
                                                  main=backward_gluon, deterministic=True),
         "gluon_fast": lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
@@ -80,6 +83,8 @@ for T, H, K, ids in ROWS:
     r = dict(T=T, H=H, K=K, ids=ids, err_dkv_16_vs_fp32=relerr(got[1].float(), ref[1].float()),
              dq_equal=bool(torch.equal(got[0], ref[0])),
              dkv_16_bitwise_rerun=bool(torch.equal(got[1], arms["triton_16"]()[1])))
+    got = arms["gluon_16"]()
+    r["err_dkv_gluon16_vs_fp32"] = relerr(got[1].float(), ref[1].float())
     ref = got = None
     fl = 10 * T * H * K * D
     names = list(arms)
@@ -88,7 +93,7 @@ for T, H, K, ids in ROWS:
             ms = triton.testing.do_bench(arms[name], warmup=3, rep=100, return_mode="median")
             r[f"{name}_ms_{rep}"] = round(ms, 4)
             r[f"{name}_tflops_{rep}"] = round(fl / ms * 1e-9, 1)
-    for name in ("triton_fp32", "triton_16", "triton_fp32_runs", "triton_16_runs", "gluon_det"):
+    for name in ("triton_fp32", "triton_16", "triton_fp32_runs", "triton_16_runs", "gluon_det", "gluon_16"):
         r[f"{name}_split"] = split(arms[name])
     print(json.dumps(r), flush=True)
     q = kv = idx = out = lse = do = None

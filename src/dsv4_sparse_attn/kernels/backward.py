@@ -636,9 +636,10 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     exact = deterministic and exact_sums_apply(main, q, grad_out, exact)
     one_launch = not deterministic or exact  # (the whole of T in one main launch, no partial rows)
     if partial16 and (one_launch or not getattr(main, "PARTIAL_16", False) or D % 64):
-        raise ValueError(f"16-bit partial rows: the deterministic mode's partial rows with the Triton "
-                         f"main kernel at D a multiple of 64 (here {main.NAME}, D = {D})")
-    paired = main.pairs_head_blocks(n_hb, deterministic and not exact)
+        raise ValueError(f"16-bit partial rows: the deterministic mode's partial rows with a main kernel "
+                         f"that has them, at D a multiple of 64 (here {main.NAME}, D = {D})")
+    # (16-bit rows: a head-block pair's follower would add to the leader's fp16 row: not built)
+    paired = main.pairs_head_blocks(n_hb, deterministic and not exact) and not partial16
     n_part = n_hb // 2 if paired else n_hb
 
     if grad_q is None:  # tests pass a poisoned buffer to catch unwritten elements

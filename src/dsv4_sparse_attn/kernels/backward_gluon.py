@@ -51,9 +51,12 @@ from .common import cuda_properties
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON_VERSION, TensorDescriptor,
                      async_load, balanced_order, fake_group_base, hopper_rejects, load_ids, red_f32x4_fake,
                      red_f32x4_lines, red_f32x4_lines_exact, red_f32x4_lines_grid, red_s32x2_lines,
-                     st_f32x4_fake, fresh, thread_barrier, tma_load, tma_store, tma_store_wait)
+                     st_f16x4_fake, st_f32x4_fake, fresh, thread_barrier, tma_load, tma_store, tma_store_wait)
 
 NAME = "gluon_sm90"
+# 16-bit partial rows (``backward.sparse_mla_bwd(partial16=True)``, a prototype): ``launch``
+# takes ``partial_exp`` (D = 512, no head-block pairs: the follower's add to fp16 rows is not built)
+PARTIAL_16 = True
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 BLOCK_H = 64  # heads of a tile (fewer heads: the tile's other rows are masked)
 BLOCK_K = 64  # slots of a block: partial rows are padded to whole blocks
@@ -368,7 +371,7 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
               PAIRS: gl.constexpr = True):
     io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired, units = args
     H, N, K = sizes
-    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP = io
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, EXP = io
     n_units = units[0]  # (and with PARTS: n_full, n_parts and DQF)
     n_hb = gl.cdiv(H, _BH)
     tcount = 0
@@ -386,7 +389,7 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
         pid_h = tile % n_hb
         k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, b0, nb_u, bcount, HAS_LEN)
         # (a part's ids row from its first block)
-        io_u = (IDX + b0 * _BK, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, part)
+        io_u = (IDX + b0 * _BK, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, EXP, part)
         if ABL & 16:
             _stamp(TR, n_tiles, rank, tcount, _EV_C_TILE + 4 * WG, ABL)
         if TRANS:
@@ -659,7 +662,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     q and dO (``_QD_FREE_EARLY``) once its dKV pieces are done with them; the other consumer
     (and both, in a tile without blocks) releases them at the tile's end, where both
     release the rest (``_QD_FREE``) as without."""
-    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, PART = io
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, EXP, PART = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
     q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
@@ -731,12 +734,13 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
                     nxt = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, i // 2 + z,
                                      i % 2, HP, dkv_zero)
                 _send_piece(row_ptr + (((i - 1) // 2) * _QD + ((i - 1) % 2) * 64), offs_dd, acc, on, follower,
-                            paired, RED, EVICT_LAST)
+                            paired, RED, EVICT_LAST, (PARTIAL, EXP))
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
                 if EARLY > 0 and i == 2 * EARLY - 1:  # pieces 0..i read the quarters before EARLY
                     mbarrier.arrive(bars.index(_QD_FREE_EARLY), pred=jj == nb_t - 1)
             mbarrier.arrive(free)  # P and dS read for the last time
-            _send_piece(row_ptr + (3 * _QD + 64), offs_dd, acc, on, follower, paired, RED, EVICT_LAST)
+            _send_piece(row_ptr + (3 * _QD + 64), offs_dd, acc, on, follower, paired, RED, EVICT_LAST,
+                        (PARTIAL, EXP))
             if leader:  # publish: every thread's stores of this block, then the count (release)
                 thread_barrier()
                 gl.atomic_add(flag_base + j % 2, 1, sem="release", scope="gpu")
@@ -787,7 +791,7 @@ def _consume_tile_split_t(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end,
     in shared memory, dQ^T += KV^T dS^T ([64 columns, HP] pieces: four a consumer, its half
     of D) and the dKV rows P^T dO + dS^T Q (K = HP). The same barriers, roles and dKV
     pieces as ``_consume_tile_split``; one head block, so no head-block pairs."""
-    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, PART = io
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, EXP, PART = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
     q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
@@ -990,10 +994,12 @@ def _dkv_piece(p_smem, ds_smem, do_smem, q_smem, quarter, hh: gl.constexpr, HP: 
 
 @gluon.jit
 def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
-                EVICT_LAST: gl.constexpr):
+                EVICT_LAST: gl.constexpr, rows16=None):
     """acc[slot, c] to row row_ptr[slot], column c: added to the fake-ordered fp32
     accumulator (``RED``; only the slots whose ``on`` is 1), or a partial row: stored, or
-    (the follower of a head-block pair) added once to the leader's."""
+    (the follower of a head-block pair) added once to the leader's. Partial rows of fp16
+    (``row_ptr`` an fp16 pointer: 16-bit partial rows, no pairs) are stored scaled, their
+    scales beside them (``rows16``: the partial rows' base and the scales', ``_store_16``)."""
     if RED:
         on_el = gl.full(acc.shape, 1, gl.int32, acc.type.layout) * on[:, None]
         if RED == 7:  # the deterministic mode's exact two-word sums (``on``: the rows' codes)
@@ -1006,6 +1012,8 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
             red_f32x4_lines(fake_group_base(row_ptr, offs_d), acc, on_el, EVICT_LAST)
         else:
             red_f32x4_fake(fake_group_base(row_ptr, offs_d), acc, on_el)
+    elif row_ptr.dtype.element_ty == gl.float16:  # (a compile-time choice: the rows' type)
+        _store_16(row_ptr, offs_d, acc, rows16[0], rows16[1])
     else:  # partial rows, in the same fake column order (16-byte stores and adds)
         ones = gl.full(acc.shape, 1, gl.int32, acc.type.layout)
         gb = fake_group_base(row_ptr, offs_d)
@@ -1018,6 +1026,27 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
 
 
 @gluon.jit
+def _store_16(row_ptr, offs_d, acc, PARTIAL, EXP):
+    """A [64 slots, 64 columns] piece to 16-bit partial rows
+    (docs/performance/backward.md#partial-rows-in-16-bits-prototype): each slot's 64
+    columns (one segment of its row) scaled by 2^-s so that their largest |value| lies in
+    [2^14, 2^15) (s in [-126, 126]; 0 for a zero segment), stored as fp16 in fake column
+    order (``st_f16x4_fake``), and s + 127 as the segment's byte of the scales
+    (``backward._scaled``: int64 words, a byte a segment). At D = 512 a row is 1024 bytes
+    of 8 segments and its scales one word of 8 bytes, so a segment's scale byte sits at
+    its byte offset in the rows / 128. The row's maximum is a quad's: its 4 lanes hold the
+    row's 64 columns (two shuffles)."""
+    big = gl.max(gl.abs(acc), axis=1)
+    e = ((big.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2) of a normal max
+    s = gl.where(big == 0.0, 0, gl.minimum(gl.maximum(e - 14, -126), 126))
+    inv = ((127 - s) << 23).to(gl.float32, bitcast=True)  # 2^-s, exact
+    ones = gl.full(acc.shape, 1, gl.int32, acc.type.layout)
+    st_f16x4_fake(fake_group_base(row_ptr, offs_d), acc * inv[:, None], ones)
+    seg = (row_ptr.to(gl.int64) - PARTIAL.to(gl.int64)) >> 7
+    gl.store(EXP.to(gl.pointer_type(gl.uint8)) + seg, (s + 127).to(gl.uint8))
+
+
+@gluon.jit
 def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb, tcount,
                   paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr,
                   ROPE: gl.constexpr, EVICT_LAST: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr,
@@ -1025,7 +1054,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1): slot blocks 0..nb_t-1
     (the first of them the barriers' ``g0``-th), ids past slot ``k_end`` masked; ``nb``
     blocks per token in the partial-row buffer."""
-    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, PART = io
+    IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, EXP, PART = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
     q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
@@ -1144,19 +1173,22 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         if pace:  # no more than _LAG blocks ahead of the follower's adds
             while gl.atomic_add(done_ptr, 0, sem="relaxed", scope="gpu") < j - _LAG:
                 pass
-        _send_piece(row_ptr + (2 * WG * _QD), offs_dd, acc, on, follower, paired, RED, EVICT_LAST)
+        _send_piece(row_ptr + (2 * WG * _QD), offs_dd, acc, on, follower, paired, RED, EVICT_LAST,
+                    (PARTIAL, EXP))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + 1 + z, 0, HP, dkv_zero)
-        _send_piece(row_ptr + (2 * WG * _QD + 64), offs_dd, acc, on, follower, paired, RED, EVICT_LAST)
+        _send_piece(row_ptr + (2 * WG * _QD + 64), offs_dd, acc, on, follower, paired, RED, EVICT_LAST,
+                    (PARTIAL, EXP))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + 1 + z, 1, HP, dkv_zero)
-        _send_piece(row_ptr + ((2 * WG + 1) * _QD), offs_dd, acc, on, follower, paired, RED, EVICT_LAST)
+        _send_piece(row_ptr + ((2 * WG + 1) * _QD), offs_dd, acc, on, follower, paired, RED, EVICT_LAST,
+                    (PARTIAL, EXP))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         if ROPE > 0:  # my 32 rope columns of the rows: dS^T Q_rope (no value term)
             rop = warpgroup_mma(ds_smem.index(z).permute((1, 0)), qr_smem.index(z).slice(32 * WG, 32, dim=1),
                                 r_zero, use_acc=False, is_async=True)
             _send_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, on, follower, paired, RED,
-                        EVICT_LAST)
+                        EVICT_LAST, (PARTIAL, EXP))
             rop = warpgroup_mma_wait(num_outstanding=0, deps=(rop, ))
             mbarrier.arrive(bars.index(_PDS_FREE))  # P and dS read for the last time
             rows_r = gl.convert_layout(row_ptr, gl.SliceLayout(1, r_l))  # (the same rows: no data moves)
@@ -1166,7 +1198,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         else:
             mbarrier.arrive(bars.index(_PDS_FREE))  # P and dS read for the last time
             _send_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, on, follower, paired, RED,
-                        EVICT_LAST)
+                        EVICT_LAST, (PARTIAL, EXP))
         if leader:  # publish: every thread's stores of this block, then the count (release)
             thread_barrier()
             gl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
@@ -1198,7 +1230,7 @@ _RUNTIME_INTS = ["H", "N", "K", "t_begin", "n_tiles", "paired", "n_units", "n_fu
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_main_gluon_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, DQF,
+    Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, DQF, EXP,
     H, N, K, t_begin, n_tiles, paired, n_units, n_full, n_parts,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh,
     stride_lt, stride_gt, stride_gh,
@@ -1282,7 +1314,7 @@ def _bwd_main_gluon_kernel(
     # even tile (the rank below) has started, so its wait always ends.
     rank = gl.atomic_add(FLAGS, 1, sem="relaxed")
     sizes = (H, N, K)
-    c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP), sizes,
+    c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, EXP), sizes,
               (stride_it, stride_lt, stride_gt, stride_gh),
               (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars),
               (scale, scale_log2), t_begin, n_tiles, nb, rank, paired,
@@ -1417,7 +1449,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
            scale_log2, paired, topk_length=None, tokens=None, lines=None, order=None, evict_last=None,
            split=None, qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None, head_pad=None,
            transposed=None, cache=None, split_remainder=None, pairs_code=None, dq_parts=None,
-           exact_codes=None):
+           exact_codes=None, partial_exp=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -1448,7 +1480,10 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     (``backward.DqParts``) for the caller's epilogue to sum, instead of summing them in a
     launch of its own.
     ``exact_codes``: int32 [N] (``exact_sums.row_codes``), the deterministic mode's exact
-    two-word sums into ``acc`` [N, 2 D] (``partial`` None; D = 512, ``exact_sums_ok``)."""
+    two-word sums into ``acc`` [N, 2 D] (``partial`` None; D = 512, ``exact_sums_ok``).
+    ``partial_exp`` (a prototype, ``backward.sparse_mla_bwd(partial16=True)``): ``partial``
+    is fp16 and this holds its rows' scales (int64 [n_tok, n_hb, partial_slots(K), 1]: a
+    biased exponent byte a 64-column segment); D = 512, no head-block pairs."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
@@ -1457,6 +1492,11 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         raise ValueError(f"exact_codes: sums into the accumulator (no partial rows) at D = d_v = 512, "
                          f"got D = {D}, d_v = {grad_out.shape[-1]}")
     n_tiles = n_tok * n_hb
+    if partial_exp is not None and (partial is None or partial.dtype != torch.float16 or paired
+                                    or D != 512 or grad_out.shape[-1] != 512):
+        raise ValueError("16-bit partial rows: fp16 rows at D = d_v = 512, without head-block pairs")
+    if partial is not None and partial.dtype != torch.float32 and partial_exp is None:
+        raise ValueError(f"partial rows: fp32, or fp16 with their scales (partial_exp); got {partial.dtype}")
     if paired and (partial is None or n_hb % 2):
         raise ValueError("head blocks pair up only on the partial-row path, with an even count")
     grid = _programs(n_tiles, q.device, paired)
@@ -1472,6 +1512,11 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     if rope and (dqr is None or dqr.shape[0] < grid):
         dqr = cache["dqr"] = torch.zeros((grid, BLOCK_H, rope), dtype=torch.float32, device=q.device)
     sp = _split(partial is not None, split, n_hb, K) if rope == 0 else 0
+    if partial_exp is not None and split is None:
+        # (the split 1 build with 16-bit stores spills 944 bytes and serialises its wgmmas,
+        # Triton 3.6; the unsplit one reloads nothing in its block loops, and split 1 gained
+        # the fp32 rows 1.6-3%)
+        sp = 0
     tma, early = _qd_loads(q, grad_out, rope, sp, K, qd_tma, qd_early)
     dq_want = int((DQ_TMA_ROPE if rope else DQ_TMA) if dq_tma is None else dq_tma)
     if dq_want not in (0, 1):
@@ -1505,6 +1550,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         partial if partial is not None else exact_codes if exact else acc, flags,
         topk_length if topk_length is not None else indices, order if order is not None else indices, dqr,
         trace if trace is not None else flags, grad_q, dqf,
+        partial_exp if partial_exp is not None else flags,
         H, N, K, t_begin, n_tiles, int(paired), n_units, n_full, n_parts,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),

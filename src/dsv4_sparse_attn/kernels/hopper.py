@@ -62,6 +62,29 @@ _FAKE_RED = "red.relaxed.gpu.global.add.v4.f32"
 _ST_PTX_SRC = _FAKE_PTX_SRC.replace(_FAKE_RED, "st.global.v4.f32")
 _ST_CS_PTX_SRC = _FAKE_PTX_SRC.replace(_FAKE_RED, "st.global.cs.v4.f32")
 _FAKE_CONSTRAINTS_SRC = "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r"
+# ``st_f16x4_fake``: the same fake column order in rows of fp16 (8 bytes a lane's four
+# values of a row's 16-column group), rounded by ``cvt.rn.f16x2.f32`` (its first source to
+# the upper half: the higher address), stored streaming.
+_ST16_PTX_SRC = """{
+    .reg .pred p, p8;
+    .reg .b32 l, h0, h1, h2, h3;
+    .reg .b64 o, o8;
+    setp.ne.b32 p, $24, 0;
+    setp.ne.b32 p8, $26, 0;
+    mov.u32 l, %laneid;
+    and.b32 l, l, 3;
+    mul.wide.u32 o, l, 8;
+    add.s64 o8, o, $10;
+    add.s64 o, o, $8;
+    cvt.rn.f16x2.f32 h0, $17, $16;
+    cvt.rn.f16x2.f32 h1, $21, $20;
+    cvt.rn.f16x2.f32 h2, $19, $18;
+    cvt.rn.f16x2.f32 h3, $23, $22;
+    @p st.global.cs.v2.b32 [o], {h0, h1};
+    @p8 st.global.cs.v2.b32 [o8], {h2, h3};
+    mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
+    mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
+}"""
 
 # The PTX of ``red_f32x4_lines`` (one instance: 16 registers of a thread; see its docstring).
 # tests/test_fake_column_order.py replays it for every lane. Its two halves (suffix x, then
@@ -256,6 +279,7 @@ if gl is not None:
     _FAKE_PTX = gl.constexpr(_FAKE_PTX_SRC)
     _ST_PTX = gl.constexpr(_ST_PTX_SRC)
     _ST_CS_PTX = gl.constexpr(_ST_CS_PTX_SRC)
+    _ST16_PTX = gl.constexpr(_ST16_PTX_SRC)
     _FAKE_CONSTRAINTS = gl.constexpr(_FAKE_CONSTRAINTS_SRC)
     _LINES_PTX = gl.constexpr(_LINES_PTX_SRC)
     _LINES_PTX_EVICT_LAST = gl.constexpr(_LINES_EVICT_LAST_PTX_SRC)
@@ -372,6 +396,16 @@ if gl is not None:
             return gl.inline_asm_elementwise(_ST_CS_PTX, _FAKE_CONSTRAINTS, [group_base, acc, on],
                                              dtype=gl.int32, is_pure=False, pack=8)
         return gl.inline_asm_elementwise(_ST_PTX, _FAKE_CONSTRAINTS, [group_base, acc, on], dtype=gl.int32,
+                                         is_pure=False, pack=8)
+
+    @gluon.jit
+    def st_f16x4_fake(group_base, acc, on):
+        """Store a [64, 64] fp32 piece rounded to fp16 in rows of fp16, in fake column order
+        (``red_f32x4_fake``'s order; ``group_base`` the byte address of a row's 16-column
+        group in the fp16 row), 8 bytes an instruction, streaming: the deterministic mode's
+        16-bit partial rows (the values already scaled: ``backward_gluon._store_16``).
+        Rows whose ``on`` is 0 are skipped."""
+        return gl.inline_asm_elementwise(_ST16_PTX, _FAKE_CONSTRAINTS, [group_base, acc, on], dtype=gl.int32,
                                          is_pure=False, pack=8)
 
     @gluon.jit
