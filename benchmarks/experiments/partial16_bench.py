@@ -28,8 +28,10 @@ from side_by_side import pool_inputs, relerr
 
 D = 512
 ROWS = [(4096, 64, 640, "distinct"), (4096, 128, 1152, "distinct"), (32768, 64, 640, "distinct"),
-        (4096, 16, 1152, "distinct"), (4096, 32, 1152, "distinct")]
-# P16_ROWS="0,1": rows of ROWS (default 0, 1, 3, 4); P16_REPS: A, B passes (default 2)
+        (4096, 16, 1152, "distinct"), (4096, 32, 1152, "distinct"), (131072, 64, 640, "causal"),
+        (4096, 64, 640, "causal")]
+# P16_ROWS="0,1": rows of ROWS (default 0, 1, 3, 4); P16_REPS: A, B passes (default 2);
+# P16_ARMS: the arms timed (default all)
 ROWS = [ROWS[int(i)] for i in os.environ.get("P16_ROWS", "0,1,3,4").split(",")]
 REPS = int(os.environ.get("P16_REPS", "2"))
 
@@ -78,14 +80,16 @@ for T, H, K, ids in ROWS:
     # the fold cut by entry runs (the long contexts' fold) at these rows too
     arms["triton_fp32_runs"] = runs_fold(arms["triton_fp32"])
     arms["triton_16_runs"] = runs_fold(arms["triton_16"])
-    ref = arms["triton_fp32"]()
-    got = arms["triton_16"]()
-    r = dict(T=T, H=H, K=K, ids=ids, err_dkv_16_vs_fp32=relerr(got[1].float(), ref[1].float()),
-             dq_equal=bool(torch.equal(got[0], ref[0])),
-             dkv_16_bitwise_rerun=bool(torch.equal(got[1], arms["triton_16"]()[1])))
-    got = arms["gluon_16"]()
-    r["err_dkv_gluon16_vs_fp32"] = relerr(got[1].float(), ref[1].float())
-    ref = got = None
+    if "P16_ARMS" in os.environ:
+        arms = {k: v for k, v in arms.items() if k in os.environ["P16_ARMS"].split(",")}
+    r = dict(T=T, H=H, K=K, ids=ids)
+    for fp32, b16 in (("triton_fp32", "triton_16"), ("gluon_det", "gluon_16")):
+        if fp32 in arms and b16 in arms:
+            ref, got = arms[fp32](), arms[b16]()
+            r[f"{b16}_err_dkv_vs_fp32"] = relerr(got[1].float(), ref[1].float())
+            r[f"{b16}_dq_dsink_equal"] = bool(torch.equal(got[0], ref[0]) and torch.equal(got[2], ref[2]))
+            r[f"{b16}_bitwise_rerun"] = all(torch.equal(x, y) for x, y in zip(got, arms[b16]()))
+            ref = got = None
     fl = 10 * T * H * K * D
     names = list(arms)
     for rep in range(REPS):
@@ -93,7 +97,8 @@ for T, H, K, ids in ROWS:
             ms = triton.testing.do_bench(arms[name], warmup=3, rep=100, return_mode="median")
             r[f"{name}_ms_{rep}"] = round(ms, 4)
             r[f"{name}_tflops_{rep}"] = round(fl / ms * 1e-9, 1)
-    for name in ("triton_fp32", "triton_16", "triton_fp32_runs", "triton_16_runs", "gluon_det", "gluon_16"):
+    for name in [n for n in ("triton_fp32", "triton_16", "triton_fp32_runs", "triton_16_runs", "gluon_det",
+                             "gluon_16") if n in arms]:
         r[f"{name}_split"] = split(arms[name])
     print(json.dumps(r), flush=True)
     q = kv = idx = out = lse = do = None
