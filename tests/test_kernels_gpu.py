@@ -381,7 +381,7 @@ def _record_l2_windows(monkeypatch) -> list:
                                   Case(150, 40, 512, 500, 200, ids="extreme")], ids=str)
 @pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
 def test_deterministic_backward_with_16_bit_partial_rows(case, gluon):
-    """The prototype of 16-bit partial rows (the main kernel's fp16 stores with a scale a
+    """16-bit partial rows (the main kernel's fp16 stores with a scale a
     64-column segment, the fold's exact decoding) against the float64 oracle; H = 128 and 40
     take two head blocks a token, unpaired."""
     check_backward(case, DEV, deterministic=True, partial16=True, main=_main(gluon))
@@ -539,14 +539,17 @@ def test_backward_without_grad_lse():
     check_backward(Case(16, 64, 512, 200, 160, ids="deepseek"), DEV, with_dlse=False)
 
 
+@pytest.mark.parametrize("rows16", [True, False], ids=["rows16-default", "rows32"])
 @pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
-def test_deterministic_backward_does_not_depend_on_chunking(monkeypatch, gluon):
+def test_deterministic_backward_does_not_depend_on_chunking(monkeypatch, gluon, rows16):
     """A tiny partial-buffer budget forces one token per chunk: the deterministic mode
     folds every kv row's contributions in one fixed order whatever the chunks, so the
-    gradients are bitwise the same as unchunked (heavily shared rows, duplicates)."""
+    gradients are bitwise the same as unchunked (heavily shared rows, duplicates); with the
+    default partial rows (16 bits with the Gluon kernel) and with fp32 rows."""
     monkeypatch.setattr(kbwd, "EXACT_SUMS", False)  # (the partial rows and their fold)
+    monkeypatch.setattr(kbwd, "PARTIAL_16", rows16)
     main = _main(gluon)
-    for c in (Case(12, 128, 512, 80, 70, ids="dup"),  # two head blocks: the Gluon path pairs them
+    for c in (Case(12, 128, 512, 80, 70, ids="dup"),  # two head blocks: the Gluon path pairs fp32 rows
               Case(40, 64, 512, 30, 100, ids="shared")):
         q, kv, idx, sink = make_case(c, DEV)
         out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5)

@@ -7,7 +7,7 @@ kernel and the fold (torch.profiler), next to the Gluon deterministic and fast m
 
 Why: the deterministic mode's cost beyond the fast mode is its partial rows' bytes; 16-bit
 rows halve them and err 8x below grad_kv's bf16 rounding
-(docs/performance/backward.md#partial-rows-in-16-bits-prototype).
+(docs/performance/backward.md#partial-rows-in-16-bits).
 Measured first (203e5df, H100): the fold 1.8x slower with 16-bit rows (a scale byte loaded
 with each value). Prediction with one scale word an entry and part: the fold's time about
 halves (it reads at a fixed TB/s: H64 K640 about 1.4 -> 0.75 ms on the H200); the Triton
@@ -67,13 +67,13 @@ for T, H, K, ids in ROWS:
     q, kv, idx, sink, do, out, lse = pool_inputs(T, H, K, ids)
     arms = {
         "triton_fp32": lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
-                                                   main=backward_triton, deterministic=True),
+                                                   main=backward_triton, deterministic=True, partial16=False),
         "triton_16": lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
                                                  main=backward_triton, deterministic=True, partial16=True),
         "gluon_16": lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
                                                 main=backward_gluon, deterministic=True, partial16=True),
         "gluon_det": lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
-                                                 main=backward_gluon, deterministic=True),
+                                                 main=backward_gluon, deterministic=True, partial16=False),
         "gluon_fast": lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
                                                   main=backward_gluon, deterministic=False),
     }

@@ -1,6 +1,6 @@
-"""A prototype of 16-bit partial rows for the deterministic fold (``P16`` in
-``backward._dkv_reduce_kernel`` and ``_dkv_fold_runs_kernel``; not used by the backward
-yet: docs/performance/backward.md#partial-rows-in-16-bits-prototype): rows
+"""16-bit partial rows for the deterministic fold (``P16`` in ``backward._dkv_reduce_kernel``
+and ``_dkv_fold_runs_kernel``; the default with the Gluon main kernel, on the GPU; here the
+Triton one's: docs/performance/backward.md#partial-rows-in-16-bits): rows
 of fp16 values with a power-of-two scale a 64-column segment fold to the same bits as the
 fp32 rows they decode to, exactly, in both folds, with one and two head-block parts."""
 from __future__ import annotations

@@ -42,6 +42,13 @@ from .common import LOG2E, aligned16, cuda_properties, last_dim_contiguous, next
 # its bits), so the exact sums are a measurement option (``exact=True``)
 # (docs/performance/backward.md#exact-two-word-sums-measured-off).
 EXACT_SUMS = False
+# The deterministic mode's partial rows in 16 bits (fp16, a power-of-two scale a 64-column
+# segment; the fold decodes them exactly and sums in fp32, in the same fixed order) where the
+# main kernel takes them by default (``PARTIAL_16_DEFAULT``: the Gluon kernel at D = d_v =
+# 512). H100, Triton 3.6, 6c434da: 19-30% less time than fp32 rows (H16-H128, T = 4096 to
+# 131072), grad_kv within 8.7e-4 of the fp32 rows' (its own bf16 rounding is 1.7e-3)
+# (docs/performance/backward.md#partial-rows-in-16-bits).
+PARTIAL_16 = True
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
 # of the backward is this plus O(T*H + N*D) fp32): under the 1 GiB the backward may
@@ -185,9 +192,8 @@ def _partial_row(PARTIAL, entry, K, k_stride, N_HB: tl.constexpr, D: tl.constexp
 def _sum_parts(ptr, m, k_stride, N_HB: tl.constexpr, D: tl.constexpr, ew=None, ok=None, cols=None,
                P16: tl.constexpr = False, TILE: tl.constexpr = False):
     """An entry's partial row, its N_HB head-block parts (``ptr``: the first's columns)
-    added in part order. ``P16`` (16-bit partial rows, the prototype option
-    ``sparse_mla_bwd(partial16=True)``;
-    docs/performance/backward.md#partial-rows-in-16-bits-prototype):
+    added in part order. ``P16`` (16-bit partial rows, ``sparse_mla_bwd(partial16=...)``;
+    docs/performance/backward.md#partial-rows-in-16-bits):
     the rows are fp16 and each 64-column segment has a power-of-two scale, its biased
     exponent a byte of the part's int64 scale words at ``ew`` (``(D / 64 + 7) / 8``; loaded
     where ``ok``; ``TILE``: see ``_scaled``); ``cols`` are the values' columns. The value,
@@ -612,15 +618,16 @@ def exact_sums_apply(main, q: torch.Tensor, grad_out: torch.Tensor, exact: bool 
 def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scale, main,
                    deterministic: bool = True, grad_q: torch.Tensor | None = None,
                    topk_length: torch.Tensor | None = None, exact: bool | None = None,
-                   partial16: bool = False, **main_options):
+                   partial16: bool | None = None, **main_options):
     """The backward with main kernel ``main`` (the module ``backward_gluon`` or
     ``backward_triton``; the caller checked its ``rejects``). Returns grad_q [T,H,D],
     grad_kv [N,D] in kv's dtype, grad_sink ([H] fp32, or empty without sink). CPU tensors
     run under the Triton interpreter (tests only); ``main_options`` go to ``main.launch``.
     ``exact`` (deterministic mode): the exact two-word sums (True) or the partial rows and
     their fold (False); None: ``exact_sums_apply``'s default; True in the fast mode is an
-    error. ``partial16`` (a prototype, deterministic mode with a main kernel that has it):
-    the partial rows in 16 bits (fp16, a power-of-two scale a 64-column segment)."""
+    error. ``partial16`` (deterministic mode with a main kernel that has them): the partial
+    rows in 16 bits (fp16, a power-of-two scale a 64-column segment: ``PARTIAL_16``) or fp32
+    (False); None: 16 bits where the main kernel takes them by default."""
     if exact and not deterministic:  # (the fast mode's fp32 sums have no exact form to take)
         raise ValueError("exact sums are a deterministic-mode option; the fast mode got exact=True")
     T, H, D = q.shape
@@ -635,6 +642,9 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     k_stride = main.partial_slots(K)
     exact = deterministic and exact_sums_apply(main, q, grad_out, exact)
     one_launch = not deterministic or exact  # (the whole of T in one main launch, no partial rows)
+    if partial16 is None:
+        default = getattr(main, "partial16_default", None)
+        partial16 = bool(PARTIAL_16 and not one_launch and default and default(D, grad_out.shape[-1]))
     if partial16 and (one_launch or not getattr(main, "PARTIAL_16", False) or D % 64):
         raise ValueError(f"16-bit partial rows: the deterministic mode's partial rows with a main kernel "
                          f"that has them, at D a multiple of 64 (here {main.NAME}, D = {D})")

@@ -54,8 +54,9 @@ from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON
                      st_f16x4_fake, st_f32x4_fake, fresh, thread_barrier, tma_load, tma_store, tma_store_wait)
 
 NAME = "gluon_sm90"
-# 16-bit partial rows (``backward.sparse_mla_bwd(partial16=True)``, a prototype): ``launch``
-# takes ``partial_exp`` (D = 512, no head-block pairs: the follower's add to fp16 rows is not built)
+# 16-bit partial rows (``backward.sparse_mla_bwd(partial16=...)``, the default where
+# ``partial16_default``): ``launch`` takes ``partial_exp`` (D = 512, no head-block pairs: the
+# follower's add to fp16 rows is not built)
 PARTIAL_16 = True
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 BLOCK_H = 64  # heads of a tile (fewer heads: the tile's other rows are masked)
@@ -1028,7 +1029,7 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
 @gluon.jit
 def _store_16(row_ptr, offs_d, acc, PARTIAL, EXP):
     """A [64 slots, 64 columns] piece to 16-bit partial rows
-    (docs/performance/backward.md#partial-rows-in-16-bits-prototype): each slot's 64
+    (docs/performance/backward.md#partial-rows-in-16-bits): each slot's 64
     columns (one segment of its row) scaled by 2^-s so that their largest |value| lies in
     [2^14, 2^15) (s in [-126, 126]; 0 for a zero segment), stored as fp16 in fake column
     order (``st_f16x4_fake``), and s + 127 as the segment's byte of the scales
@@ -1386,6 +1387,14 @@ def partial_slots(K: int) -> int:
     return triton.cdiv(K, BLOCK_K) * BLOCK_K
 
 
+def partial16_default(W: int, D: int) -> bool:
+    """Whether the deterministic mode's partial rows are 16-bit by default
+    (``backward.PARTIAL_16``) for q width W and D value columns: where ``launch`` has them,
+    D = d_v = 512. (With 16-bit rows the head blocks do not pair; at H = 128 the two fp16
+    rows an entry took less time than one fp32 row: H100, 11.5 against 12.8 ms at K = 1152.)"""
+    return W == D == 512
+
+
 def pairs_head_blocks(n_hb: int, deterministic: bool) -> bool:
     """Whether the deterministic path sums head blocks in pairs (one partial row per pair)."""
     return deterministic and n_hb % 2 == 0
@@ -1481,7 +1490,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     launch of its own.
     ``exact_codes``: int32 [N] (``exact_sums.row_codes``), the deterministic mode's exact
     two-word sums into ``acc`` [N, 2 D] (``partial`` None; D = 512, ``exact_sums_ok``).
-    ``partial_exp`` (a prototype, ``backward.sparse_mla_bwd(partial16=True)``): ``partial``
+    ``partial_exp`` (``backward.sparse_mla_bwd(partial16=...)``): ``partial``
     is fp16 and this holds its rows' scales (int64 [n_tok, n_hb, partial_slots(K), 1]: a
     biased exponent byte a 64-column segment); D = 512, no head-block pairs."""
     T, H, D = q.shape

@@ -24,7 +24,8 @@ from .common import head_block, interpreting, load_tile, slot_end, slot_rows, tr
 from .exact_sums import split_to_grid
 
 NAME = "triton"
-# 16-bit partial rows (``backward.sparse_mla_bwd(partial16=True)``, a prototype): ``launch``
+# 16-bit partial rows (``backward.sparse_mla_bwd(partial16=True)``; not this kernel's default:
+# its fp16 build took 1.5x the fp32 one's time at H = 16 and 32, H100): ``launch``
 # takes ``partial_exp``
 PARTIAL_16 = True
 ACC_FAKE_ORDER = False  # the fast mode's accumulator is [N, D] in natural column order
@@ -55,8 +56,7 @@ def _send_part(part, ptr, mask, code, ATOMIC: tl.constexpr, EXACT: tl.constexpr,
 
 @triton.jit
 def _store_16(part, ptr, eptr, mask):
-    """A prototype of 16-bit partial rows
-    (docs/performance/backward.md#partial-rows-in-16-bits-prototype): the
+    """16-bit partial rows (docs/performance/backward.md#partial-rows-in-16-bits): the
     transposed tile ``part`` ([64 j columns, BLOCK_K slots] fp32) as fp16, each slot's
     64-column segment scaled by 2^-s so that its largest |value| lies in [2^14, 2^15) (s in
     [-126, 126]; 0 for a zero segment), s stored at ``eptr`` ([j, BLOCK_K]: the segments'
@@ -296,7 +296,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     ``tokens`` (int32 [n_tok]; default those of [t_begin, t_begin + n_tok)): dKV rows to
     ``partial`` ([n_tok, n_hb, K, D] fp32, in the chunk's order) or, without it, added to
     ``acc`` ([N, D] fp32; with ``exact_codes``, int32 [N] from ``exact_sums.row_codes``,
-    [N, 2 D]: each row's hi words, then its lo words). ``partial_exp`` (a prototype): the
+    [N, 2 D]: each row's hi words, then its lo words). ``partial_exp`` (16-bit rows): the
     partial rows are fp16 with a scale a 64-column segment here (int64 [n_tok, n_hb, K, words]: a
     biased exponent byte a segment, ``(W / 64 + 7) / 8`` words a row)."""
     if exact_codes is not None and partial is not None:
