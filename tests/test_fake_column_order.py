@@ -130,7 +130,7 @@ def _run_ptx(stmts, regs):
             for lane in range(32):
                 regs[lane][d] = sent[lane ^ int(mask, 0)]
             continue
-        if op.startswith("red."):
+        if op.startswith("red.") or op.startswith("st."):
             addr = re.search(r"\[(\w+)\]", args).group(1)
             vec = re.search(r"\{(.*)\}", args)
             names = vec.group(1).split(",") if vec else [args.split(",")[1]]
@@ -184,6 +184,9 @@ def _run_ptx(stmts, regs):
                 r[a[0]] = (_s32(val(lane, a[1])) >> val(lane, a[2])) & 0xFFFFFFFF
             elif op == "add.s32":
                 r[a[0]] = (val(lane, a[1]) + val(lane, a[2])) & 0xFFFFFFFF
+            elif op == "cvt.rn.f16x2.f32":  # the first source to the upper half
+                hi, lo = (struct.unpack("<H", struct.pack("<e", _f32(val(lane, x))))[0] for x in a[1:3])
+                r[a[0]] = hi << 16 | lo
             else:
                 raise AssertionError(f"the replay does not know {op!r}: extend it with the asm")
     return reds
@@ -395,3 +398,55 @@ def test_evict_last_variant_differs_only_in_the_cache_policy():
     policy = "    .reg .b64 pol;\n    createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
     undo = hinted.replace(policy, "").replace(".L2::cache_hint", "").replace(", pol;", ";")
     assert undo == base
+
+
+def test_16_bit_partial_row_stores_put_every_value_at_its_fake_column():
+    """``hopper.st_f16x4_fake`` (the deterministic mode's 16-bit partial rows): its asm
+    replayed for every lane of the wgmma accumulator layout puts each value, rounded to
+    fp16, at ``fake_col`` of its column in its slot's fp16 row, 8 aligned bytes a store,
+    and stores nothing for a row whose ``on`` is 0."""
+    import struct
+
+    from dsv4_sparse_attn.kernels import hopper
+
+    stmts = _lines_asm(hopper._ST16_PTX_SRC)
+    reg_bases = wgmma_register_bases()
+    row_bytes, masked = 1024 + 64, {5, 40}  # (a row stride past the row: no overlap)
+
+    def value(row, col):
+        return (row * 64 + col) / 7.0 - 300.0
+
+    rows = {}
+    for warp in range(4):
+        wr, wc = _coord(WARP_BASES, warp)
+        coords = []
+        for lane in range(32):
+            lr, lc = _coord(LANE_BASES, lane)
+            coords.append([(wr ^ lr ^ rr, wc ^ lc ^ rc)
+                           for rr, rc in (_coord(reg_bases, i) for i in range(32))])
+        for p0 in range(0, 32, 8):  # one asm instance: registers p0..p0+7
+            regs = []
+            for lane in range(32):
+                r = {"%laneid": lane}
+                for i, (row, col) in enumerate(coords[lane][p0:p0 + 8]):
+                    r[f"${8 + i}"] = row * row_bytes + (col // 16) * 32  # fake_group_base, fp16 rows
+                    r[f"${16 + i}"] = value(row, col)
+                    r[f"${24 + i}"] = int(row not in masked)
+                regs.append(r)
+            for store in _run_ptx(stmts, regs):
+                for _, addr, words in store:
+                    assert addr % 8 == 0 and len(words) == 2
+                    row, off = divmod(addr, row_bytes)
+                    for k, w in enumerate(words):
+                        for h in range(2):
+                            half = struct.unpack("<e", struct.pack("<H", w >> (16 * h) & 0xFFFF))[0]
+                            rows[(row, off // 2 + 2 * k + h)] = half
+    assert not any(r in masked for r, _ in rows)
+    want = fake_col(torch.arange(64)).tolist()
+    assert len(rows) == (64 - len(masked)) * 64
+    for row in range(64):
+        if row in masked:
+            continue
+        for col in range(64):
+            expect = struct.unpack("<e", struct.pack("<e", value(row, col)))[0]
+            assert rows[(row, want[col])] == expect, (row, col)

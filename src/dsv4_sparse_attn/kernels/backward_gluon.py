@@ -1387,12 +1387,17 @@ def partial_slots(K: int) -> int:
     return triton.cdiv(K, BLOCK_K) * BLOCK_K
 
 
+# 16-bit partial rows by default under the Tritons they were timed with (3.6, 2026-12-06)
+PARTIAL_16_TRITONS = ((3, 6),)
+
+
 def partial16_default(W: int, D: int) -> bool:
     """Whether the deterministic mode's partial rows are 16-bit by default
     (``backward.PARTIAL_16``) for q width W and D value columns: where ``launch`` has them,
-    D = d_v = 512. (With 16-bit rows the head blocks do not pair; at H = 128 the two fp16
-    rows an entry took less time than one fp32 row: H100, 11.5 against 12.8 ms at K = 1152.)"""
-    return W == D == 512
+    D = d_v = 512, under a Triton they were timed with (``PARTIAL_16_TRITONS``). (With
+    16-bit rows the head blocks do not pair; at H = 128 the two fp16 rows an entry took less
+    time than one fp32 row: H100, 11.5 against 12.8 ms at K = 1152.)"""
+    return W == D == 512 and TRITON_VERSION in PARTIAL_16_TRITONS
 
 
 def pairs_head_blocks(n_hb: int, deterministic: bool) -> bool:

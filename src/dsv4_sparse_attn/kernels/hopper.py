@@ -42,22 +42,29 @@ CONSUMER_REGS = 232
 
 # The PTX of ``red_f32x4_fake`` (one instance: 8 registers of a thread; see its docstring)
 # and of ``st_f32x4_fake``, the same addressing with stores (plain, or streaming: ``.cs``).
-_FAKE_PTX_SRC = """{
+def _fake_ptx(regs: str, lane_bytes: int, body: str) -> str:
+    """One instance of the fake-order asm: declarations ``regs`` beside the predicates and
+    offsets, the two rows' addresses (their group bases $8 and $10 plus ``lane_bytes`` x
+    (lane % 4)) and their flags ($24, $26), then ``body``, then the dummy outputs."""
+    return f"""{{
     .reg .pred p, p8;
-    .reg .b32 l;
+    .reg .b32 {regs};
     .reg .b64 o, o8;
     setp.ne.b32 p, $24, 0;
     setp.ne.b32 p8, $26, 0;
     mov.u32 l, %laneid;
     and.b32 l, l, 3;
-    mul.wide.u32 o, l, 16;
+    mul.wide.u32 o, l, {lane_bytes};
     add.s64 o8, o, $10;
     add.s64 o, o, $8;
-    @p red.relaxed.gpu.global.add.v4.f32 [o], {$16, $17, $20, $21};
-    @p8 red.relaxed.gpu.global.add.v4.f32 [o8], {$18, $19, $22, $23};
+{body}
     mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
     mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
-}"""
+}}"""
+
+
+_FAKE_PTX_SRC = _fake_ptx("l", 16, """    @p red.relaxed.gpu.global.add.v4.f32 [o], {$16, $17, $20, $21};
+    @p8 red.relaxed.gpu.global.add.v4.f32 [o8], {$18, $19, $22, $23};""")
 _FAKE_RED = "red.relaxed.gpu.global.add.v4.f32"
 _ST_PTX_SRC = _FAKE_PTX_SRC.replace(_FAKE_RED, "st.global.v4.f32")
 _ST_CS_PTX_SRC = _FAKE_PTX_SRC.replace(_FAKE_RED, "st.global.cs.v4.f32")
@@ -65,26 +72,12 @@ _FAKE_CONSTRAINTS_SRC = "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r
 # ``st_f16x4_fake``: the same fake column order in rows of fp16 (8 bytes a lane's four
 # values of a row's 16-column group), rounded by ``cvt.rn.f16x2.f32`` (its first source to
 # the upper half: the higher address), stored streaming.
-_ST16_PTX_SRC = """{
-    .reg .pred p, p8;
-    .reg .b32 l, h0, h1, h2, h3;
-    .reg .b64 o, o8;
-    setp.ne.b32 p, $24, 0;
-    setp.ne.b32 p8, $26, 0;
-    mov.u32 l, %laneid;
-    and.b32 l, l, 3;
-    mul.wide.u32 o, l, 8;
-    add.s64 o8, o, $10;
-    add.s64 o, o, $8;
-    cvt.rn.f16x2.f32 h0, $17, $16;
+_ST16_PTX_SRC = _fake_ptx("l, h0, h1, h2, h3", 8, """    cvt.rn.f16x2.f32 h0, $17, $16;
     cvt.rn.f16x2.f32 h1, $21, $20;
     cvt.rn.f16x2.f32 h2, $19, $18;
     cvt.rn.f16x2.f32 h3, $23, $22;
     @p st.global.cs.v2.b32 [o], {h0, h1};
-    @p8 st.global.cs.v2.b32 [o8], {h2, h3};
-    mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
-    mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
-}"""
+    @p8 st.global.cs.v2.b32 [o8], {h2, h3};""")
 
 # The PTX of ``red_f32x4_lines`` (one instance: 16 registers of a thread; see its docstring).
 # tests/test_fake_column_order.py replays it for every lane. Its two halves (suffix x, then
