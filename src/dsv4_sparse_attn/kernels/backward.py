@@ -165,7 +165,10 @@ def _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.cons
     added in order), 0 where ``e`` is past the row's ``end``."""
     ok = e < end
     entry = tl.load(ORDER + e, mask=ok, other=0)  # flat (token-in-chunk, slot)
-    ptr = _partial_row(PARTIAL, entry, K, k_stride, N_HB, D)[:, None] + offs_d[None, :]
+    cols = offs_d
+    if P16:  # (runs of 4 columns: fp16 loads laid out as the fp32 accumulator: _run_entry)
+        cols = (offs_d // 4) * 4 + offs_d % 4
+    ptr = _partial_row(PARTIAL, entry, K, k_stride, N_HB, D)[:, None] + cols[None, :]
     if MASK_D:
         m = ok[:, None] & d_ok[None, :]
     else:  # (a mask constant along the row: 16-byte loads)
@@ -371,7 +374,11 @@ def _run_entry(PARTIAL, ORDER, KEYS, ACC, e, e_hi, prev, K, k_stride, offs_d, d_
     ew = None
     if P16:  # (the entry's scale words: one load, broadcast along the row)
         ew = _partial_row(EXP, entry, K, k_stride, N_HB, (D // 64 + 7) // 8)
-    x = _sum_parts(base + offs_d, m, k_stride, N_HB, D, ew, ok, offs_d, P16)
+    cols = offs_d
+    if P16:  # (the same columns, seen as runs of 4: fp16 loads of 4 values a thread, as the
+        # fp32 accumulator's, so no layout conversion between them)
+        cols = (offs_d // 4) * 4 + offs_d % 4
+    x = _sum_parts(base + cols, m, k_stride, N_HB, D, ew, ok, offs_d, P16)
     st = ok & (r != prev)
     if PRELOAD:
         a = tl.load(ACC + r * D + offs_d, mask=tl.where(st, d_ok, False), other=0.0)
