@@ -44,7 +44,7 @@ from .common import LOG2E, aligned16, cuda_properties, last_dim_contiguous, next
 EXACT_SUMS = False
 # The deterministic mode's partial rows in 16 bits (fp16, a power-of-two scale a 64-column
 # segment; the fold decodes them exactly and sums in fp32, in the same fixed order) where the
-# main kernel takes them by default (``PARTIAL_16_DEFAULT``: the Gluon kernel at D = d_v =
+# main kernel takes them by default (its ``partial16_default``: the Gluon kernel at D = d_v =
 # 512). H100, Triton 3.6, 6c434da: 19-30% less time than fp32 rows (H16-H128, T = 4096 to
 # 131072), grad_kv within 8.7e-4 of the fp32 rows' (its own bf16 rounding is 1.7e-3)
 # (docs/performance/backward.md#partial-rows-in-16-bits).
@@ -372,11 +372,12 @@ def _run_entry(PARTIAL, ORDER, KEYS, ACC, e, e_hi, prev, K, k_stride, offs_d, d_
     base = _partial_row(PARTIAL, entry, K, k_stride, N_HB, D)
     m = tl.where(ok, d_ok, False)  # (a scalar & a vector: not a mask the 3.9 interpreter takes)
     ew = None
-    if P16:  # (the entry's scale words: one load, broadcast along the row)
-        ew = _partial_row(EXP, entry, K, k_stride, N_HB, (D // 64 + 7) // 8)
     cols = offs_d
-    if P16:  # (the same columns, seen as runs of 4: fp16 loads of 4 values a thread, as the
-        # fp32 accumulator's, so no layout conversion between them)
+    if P16:
+        # the entry's scale words: one load, broadcast along the row; the same columns seen
+        # as runs of 4: fp16 loads of 4 values a thread, as the fp32 accumulator's, so no
+        # layout conversion between them
+        ew = _partial_row(EXP, entry, K, k_stride, N_HB, (D // 64 + 7) // 8)
         cols = (offs_d // 4) * 4 + offs_d % 4
     x = _sum_parts(base + cols, m, k_stride, N_HB, D, ew, ok, offs_d, P16)
     st = ok & (r != prev)
