@@ -80,11 +80,13 @@ def _s32(v):
     return v - (1 << 32) if v >= 1 << 31 else v
 
 
-def _lines_instances(row_stride, masked, value):
-    """The operands of every instance of a lines asm (``red_f32x4_lines``' layout, 16
-    registers of a thread) over the warps of a [64, 64] wgmma accumulator: for each, one
-    dict per lane with %laneid, the group bases of slot rows ``row_stride`` bytes apart,
-    the values ``value(row, col)`` and the ``on`` flags (0 for the rows in ``masked``)."""
+def _lines_instances(row_stride, masked, value, pack=16, group_bytes=64):
+    """The operands of every instance of a lines asm (``red_f32x4_lines``' layout, ``pack``
+    = 16 registers of a thread; 8: the fake-order asm of ``st_f16x4_fake``) over the warps
+    of a [64, 64] wgmma accumulator: for each, one dict per lane with %laneid, the group
+    bases of slot rows ``row_stride`` bytes apart (a 16-column group ``group_bytes``: 64 in
+    fp32 rows, 32 in fp16 ones) at $pack.., the values ``value(row, col)`` at $2pack.. and
+    the ``on`` flags (0 for the rows in ``masked``) at $3pack..."""
     reg_bases = wgmma_register_bases()
     for warp in range(4):
         wr, wc = _coord(WARP_BASES, warp)
@@ -93,14 +95,15 @@ def _lines_instances(row_stride, masked, value):
             lr, lc = _coord(LANE_BASES, lane)
             coords.append([(wr ^ lr ^ rr, wc ^ lc ^ rc)
                            for rr, rc in (_coord(reg_bases, i) for i in range(32))])
-        for p0 in range(0, 32, 16):  # one asm instance: registers p0..p0+15
+        for p0 in range(0, 32, pack):  # one asm instance: registers p0..p0+pack-1
             regs = []
             for lane in range(32):
                 r = {"%laneid": lane}
-                for i, (row, col) in enumerate(coords[lane][p0:p0 + 16]):
-                    r[f"${16 + i}"] = row * row_stride + (col // 16) * 64  # group base (fake_group_base)
-                    r[f"${32 + i}"] = value(row, col)
-                    r[f"${48 + i}"] = int(row not in masked)
+                for i, (row, col) in enumerate(coords[lane][p0:p0 + pack]):
+                    # group base (fake_group_base)
+                    r[f"${pack + i}"] = row * row_stride + (col // 16) * group_bytes
+                    r[f"${2 * pack + i}"] = value(row, col)
+                    r[f"${3 * pack + i}"] = int(row not in masked)
                 regs.append(r)
             yield regs
 
@@ -410,37 +413,21 @@ def test_16_bit_partial_row_stores_put_every_value_at_its_fake_column():
     from dsv4_sparse_attn.kernels import hopper
 
     stmts = _lines_asm(hopper._ST16_PTX_SRC)
-    reg_bases = wgmma_register_bases()
     row_bytes, masked = 1024 + 64, {5, 40}  # (a row stride past the row: no overlap)
 
     def value(row, col):
         return (row * 64 + col) / 7.0 - 300.0
 
     rows = {}
-    for warp in range(4):
-        wr, wc = _coord(WARP_BASES, warp)
-        coords = []
-        for lane in range(32):
-            lr, lc = _coord(LANE_BASES, lane)
-            coords.append([(wr ^ lr ^ rr, wc ^ lc ^ rc)
-                           for rr, rc in (_coord(reg_bases, i) for i in range(32))])
-        for p0 in range(0, 32, 8):  # one asm instance: registers p0..p0+7
-            regs = []
-            for lane in range(32):
-                r = {"%laneid": lane}
-                for i, (row, col) in enumerate(coords[lane][p0:p0 + 8]):
-                    r[f"${8 + i}"] = row * row_bytes + (col // 16) * 32  # fake_group_base, fp16 rows
-                    r[f"${16 + i}"] = value(row, col)
-                    r[f"${24 + i}"] = int(row not in masked)
-                regs.append(r)
-            for store in _run_ptx(stmts, regs):
-                for _, addr, words in store:
-                    assert addr % 8 == 0 and len(words) == 2
-                    row, off = divmod(addr, row_bytes)
-                    for k, w in enumerate(words):
-                        for h in range(2):
-                            half = struct.unpack("<e", struct.pack("<H", w >> (16 * h) & 0xFFFF))[0]
-                            rows[(row, off // 2 + 2 * k + h)] = half
+    for regs in _lines_instances(row_bytes, masked, value, pack=8, group_bytes=32):
+        for store in _run_ptx(stmts, regs):
+            for _, addr, words in store:
+                assert addr % 8 == 0 and len(words) == 2
+                row, off = divmod(addr, row_bytes)
+                for k, w in enumerate(words):
+                    for h in range(2):
+                        half = struct.unpack("<e", struct.pack("<H", w >> (16 * h) & 0xFFFF))[0]
+                        rows[(row, off // 2 + 2 * k + h)] = half
     assert not any(r in masked for r, _ in rows)
     want = fake_col(torch.arange(64)).tolist()
     assert len(rows) == (64 - len(masked)) * 64
