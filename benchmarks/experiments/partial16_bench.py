@@ -47,6 +47,17 @@ def runs_fold(run):
     return forced
 
 
+def pairs16(run):
+    """``run`` with head-block pairs on 16-bit rows (``backward.PAIRS_16``)."""
+    def forced():
+        saved, kbwd.PAIRS_16 = kbwd.PAIRS_16, True
+        try:
+            return run()
+        finally:
+            kbwd.PAIRS_16 = saved
+    return forced
+
+
 def split(run):
     """ms of the main kernel, the fold and the rest, from one profiled call."""
     run()
@@ -80,10 +91,13 @@ for T, H, K, ids in ROWS:
     # the fold cut by entry runs (the long contexts' fold) at these rows too
     arms["triton_fp32_runs"] = runs_fold(arms["triton_fp32"])
     arms["triton_16_runs"] = runs_fold(arms["triton_16"])
+    if H % 128 == 0:  # (head-block pairs with 16-bit rows: the prototype backward.PAIRS_16)
+        arms["gluon_16_pairs"] = pairs16(arms["gluon_16"])
     if "P16_ARMS" in os.environ:
         arms = {k: v for k, v in arms.items() if k in os.environ["P16_ARMS"].split(",")}
     r = dict(T=T, H=H, K=K, ids=ids)
-    for fp32, b16 in (("triton_fp32", "triton_16"), ("gluon_det", "gluon_16")):
+    for fp32, b16 in (("triton_fp32", "triton_16"), ("gluon_det", "gluon_16"),
+                      ("gluon_det", "gluon_16_pairs")):
         if fp32 in arms and b16 in arms:
             ref, got = arms[fp32](), arms[b16]()
             r[f"{b16}_err_dkv_vs_fp32"] = relerr(got[1].float(), ref[1].float())
@@ -98,7 +112,7 @@ for T, H, K, ids in ROWS:
             r[f"{name}_ms_{rep}"] = round(ms, 4)
             r[f"{name}_tflops_{rep}"] = round(fl / ms * 1e-9, 1)
     for name in [n for n in ("triton_fp32", "triton_16", "triton_fp32_runs", "triton_16_runs", "gluon_det",
-                             "gluon_16") if n in arms]:
+                             "gluon_16", "gluon_16_pairs") if n in arms]:
         r[f"{name}_split"] = split(arms[name])
     print(json.dumps(r), flush=True)
     q = kv = idx = out = lse = do = None
