@@ -36,25 +36,16 @@ ROWS = [ROWS[int(i)] for i in os.environ.get("P16_ROWS", "0,1,3,4").split(",")]
 REPS = int(os.environ.get("P16_REPS", "2"))
 
 
-def runs_fold(run):
-    """``run`` with the fold cut by entry runs (``backward.FOLD_RUNS``)."""
+def with_setting(run, name, value):
+    """``run`` with ``backward``'s module setting ``name`` at ``value`` (``FOLD_RUNS``: the
+    fold cut by entry runs; ``PAIRS_16``: head-block pairs on 16-bit rows)."""
     def forced():
-        saved, kbwd.FOLD_RUNS = kbwd.FOLD_RUNS, True
+        saved = getattr(kbwd, name)
+        setattr(kbwd, name, value)
         try:
             return run()
         finally:
-            kbwd.FOLD_RUNS = saved
-    return forced
-
-
-def pairs16(run):
-    """``run`` with head-block pairs on 16-bit rows (``backward.PAIRS_16``)."""
-    def forced():
-        saved, kbwd.PAIRS_16 = kbwd.PAIRS_16, True
-        try:
-            return run()
-        finally:
-            kbwd.PAIRS_16 = saved
+            setattr(kbwd, name, saved)
     return forced
 
 
@@ -89,10 +80,10 @@ for T, H, K, ids in ROWS:
                                                   main=backward_gluon, deterministic=False),
     }
     # the fold cut by entry runs (the long contexts' fold) at these rows too
-    arms["triton_fp32_runs"] = runs_fold(arms["triton_fp32"])
-    arms["triton_16_runs"] = runs_fold(arms["triton_16"])
+    arms["triton_fp32_runs"] = with_setting(arms["triton_fp32"], "FOLD_RUNS", True)
+    arms["triton_16_runs"] = with_setting(arms["triton_16"], "FOLD_RUNS", True)
     if H % 128 == 0:  # (head-block pairs with 16-bit rows: the prototype backward.PAIRS_16)
-        arms["gluon_16_pairs"] = pairs16(arms["gluon_16"])
+        arms["gluon_16_pairs"] = with_setting(arms["gluon_16"], "PAIRS_16", True)
     if "P16_ARMS" in os.environ:
         arms = {k: v for k, v in arms.items() if k in os.environ["P16_ARMS"].split(",")}
     r = dict(T=T, H=H, K=K, ids=ids)
