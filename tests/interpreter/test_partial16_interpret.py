@@ -126,3 +126,38 @@ def test_16_bit_rows_against_the_float64_oracle(case):
     c = Case(int(T[1:]), int(H[1:]), int(D[1:]), int(N[1:]), int(K[1:]), ids=ids, lengths="len" in rest,
              dtype=torch.float16, sink_scale=30.0 if ids == "extreme" else 1.0)
     check_backward(c, "cpu", deterministic=True, partial16=True)
+
+
+_DEFAULT_CASES = [(True, True, True, torch.float16), (False, True, True, torch.float32),
+                  (True, False, True, torch.float32), (True, True, False, None)]
+
+
+@pytest.mark.parametrize("flag, default, deterministic, want", _DEFAULT_CASES,
+                         ids=["default", "PARTIAL_16-off", "kernel-without", "fast-mode"])
+def test_16_bit_rows_are_the_default_where_the_main_kernel_says(monkeypatch, flag, default, deterministic,
+                                                                want):
+    """``sparse_mla_bwd(partial16=None)`` takes 16-bit rows where ``backward.PARTIAL_16`` is on
+    and the main kernel's ``partial16_default`` says so (the Gluon kernel at D = 512), fp32
+    rows otherwise, and none in the fast mode: the rows the main kernel is handed."""
+    import types
+
+    from dsv4_sparse_attn.kernels import backward as kbwd
+    from dsv4_sparse_attn.kernels import backward_triton
+
+    seen = []
+
+    def launch(*args, **kw):
+        seen.append(None if args[8] is None else args[8].dtype)
+        return backward_triton.launch(*args, **kw)
+
+    main = types.SimpleNamespace(**{k: getattr(backward_triton, k) for k in dir(backward_triton)
+                                    if not k.startswith("__")})
+    main.launch = launch
+    main.partial16_default = lambda W, D: default
+    monkeypatch.setattr(kbwd, "PARTIAL_16", flag)
+    torch.manual_seed(0)
+    q, kv = torch.randn(3, 2, 256).half(), torch.randn(10, 256).half()  # (D / 4 a multiple of 64)
+    idx = torch.randint(0, 10, (3, 5), dtype=torch.int32)
+    lse, do = torch.randn(3, 2), torch.randn(3, 2, 256).half()
+    kbwd.sparse_mla_bwd(do, None, q, kv, do, lse, idx, None, 0.1, main=main, deterministic=deterministic)
+    assert seen and all(d == want for d in seen), seen
