@@ -169,9 +169,7 @@ def _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.cons
     added in order), 0 where ``e`` is past the row's ``end``."""
     ok = e < end
     entry = tl.load(ORDER + e, mask=ok, other=0)  # flat (token-in-chunk, slot)
-    cols = offs_d
-    if P16:  # (runs of 4 columns: fp16 loads laid out as the fp32 accumulator: _run_entry)
-        cols = (offs_d // 4) * 4 + offs_d % 4
+    cols = _runs_of_4(offs_d) if P16 else offs_d
     ptr = _partial_row(PARTIAL, entry, K, k_stride, N_HB, D)[:, None] + cols[None, :]
     if MASK_D:
         m = ok[:, None] & d_ok[None, :]
@@ -181,6 +179,15 @@ def _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.cons
     if P16:  # (each row's scale words, one load a row, broadcast along it)
         ew = _partial_row(EXP, entry, K, k_stride, N_HB, (D // 64 + 7) // 8)
     return _sum_parts(ptr, m, k_stride, N_HB, D, ew, ok, offs_d[None, :], P16, TILE=True)
+
+
+@triton.jit
+def _runs_of_4(offs):
+    """``offs`` (contiguous columns) written as runs of 4: the same values, which the
+    compiler sees as contiguous 4 at a time, so loads of fp16 rows take 4 values a thread
+    as the fp32 accumulator's loads do, with no layout conversion between them (with the
+    plain columns the fp16 loads took 8, and each sum went through shared memory)."""
+    return (offs // 4) * 4 + offs % 4
 
 
 @triton.jit
@@ -377,12 +384,9 @@ def _run_entry(PARTIAL, ORDER, KEYS, ACC, e, e_hi, prev, K, k_stride, offs_d, d_
     m = tl.where(ok, d_ok, False)  # (a scalar & a vector: not a mask the 3.9 interpreter takes)
     ew = None
     cols = offs_d
-    if P16:
-        # the entry's scale words: one load, broadcast along the row; the same columns seen
-        # as runs of 4: fp16 loads of 4 values a thread, as the fp32 accumulator's, so no
-        # layout conversion between them
+    if P16:  # (the entry's scale words: one load, broadcast along the row)
         ew = _partial_row(EXP, entry, K, k_stride, N_HB, (D // 64 + 7) // 8)
-        cols = (offs_d // 4) * 4 + offs_d % 4
+        cols = _runs_of_4(offs_d)
     x = _sum_parts(base + cols, m, k_stride, N_HB, D, ew, ok, offs_d, P16)
     st = ok & (r != prev)
     if PRELOAD:

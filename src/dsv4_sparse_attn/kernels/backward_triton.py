@@ -214,7 +214,7 @@ def _bwd_main_kernel(
             out_mask = (offs_k < K)[None, :]
         out_ptr = row_ptr + offs_dt
         e_ptr = None
-        if P16:  # each slot's 64-column segments' scales (rows of W / 64 int8)
+        if P16:  # each slot's 64-column segments' scales (a byte a segment)
             tl.static_assert(QD % 64 == 0 and ROPE % 64 == 0 and not ATOMIC and not EXACT)
             # (int64 words, a byte a segment: its scale's biased exponent; the fold loads a word at once)
             e_bytes: tl.constexpr = 8 * ((W // 64 + 7) // 8)

@@ -42,21 +42,27 @@ CONSUMER_REGS = 232
 
 # The PTX of ``red_f32x4_fake`` (one instance: 8 registers of a thread; see its docstring)
 # and of ``st_f32x4_fake``, the same addressing with stores (plain, or streaming: ``.cs``).
+def _fake_addresses(lane_bytes: int) -> str:
+    """The fake-order asm's two addresses of a lane: its rows' group bases ($8: row r, $10:
+    row r + 8) plus ``lane_bytes`` x (lane % 4), in ``o`` and ``o8``."""
+    return f"""    mov.u32 l, %laneid;
+    and.b32 l, l, 3;
+    mul.wide.u32 o, l, {lane_bytes};
+    add.s64 o8, o, $10;
+    add.s64 o, o, $8;"""
+
+
 def _fake_ptx(regs: str, lane_bytes: int, body: str) -> str:
     """One instance of the fake-order asm: declarations ``regs`` beside the predicates and
-    offsets, the two rows' addresses (their group bases $8 and $10 plus ``lane_bytes`` x
-    (lane % 4)) and their flags ($24, $26), then ``body``, then the dummy outputs."""
+    offsets, the two rows' addresses (``_fake_addresses``) and their flags ($24, $26), then
+    ``body``, then the dummy outputs."""
     return f"""{{
     .reg .pred p, p8;
     .reg .b32 {regs};
     .reg .b64 o, o8;
     setp.ne.b32 p, $24, 0;
     setp.ne.b32 p8, $26, 0;
-    mov.u32 l, %laneid;
-    and.b32 l, l, 3;
-    mul.wide.u32 o, l, {lane_bytes};
-    add.s64 o8, o, $10;
-    add.s64 o, o, $8;
+{_fake_addresses(lane_bytes)}
 {body}
     mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
     mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
@@ -87,11 +93,7 @@ _LD16_PTX_SRC = """{
     .reg .b32 l, h0, h1, h2, h3;
     .reg .b16 a0, a1, a2, a3, a4, a5, a6, a7;
     .reg .b64 o, o8;
-    mov.u32 l, %laneid;
-    and.b32 l, l, 3;
-    mul.wide.u32 o, l, 8;
-    add.s64 o8, o, $10;
-    add.s64 o, o, $8;
+""" + _fake_addresses(8) + """
     ld.global.cg.v2.b32 {h0, h1}, [o];
     ld.global.cg.v2.b32 {h2, h3}, [o8];
     mov.b32 {a0, a1}, h0;
