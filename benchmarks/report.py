@@ -82,6 +82,8 @@ def validate(doc: dict) -> dict:
     extra_gib}; torch {ms, tflops} or {skipped} or {error}; optional cudnn {ms, tflops,
     cos_dkv {mode: cosine}}; speedups {name: other's ms / ours}.
     """
+    _check(isinstance(doc, dict), "envelope", f"not an object but a {type(doc).__name__} (a list of rows "
+           "belongs in a .jsonl file)")
     for k, t in ENVELOPE.items():
         _check(isinstance(doc.get(k), t), "envelope", f"{k!r} should be a {t.__name__}, got {doc.get(k)!r}")
     _check(doc["schema"] == 1, "envelope", f"schema {doc['schema']} (this report reads 1)")

@@ -6,6 +6,7 @@ The example files in tests/data/ have the schema benchmarks/bench.py writes (che
 from __future__ import annotations
 
 import copy
+import glob
 import json
 import os
 import shutil
@@ -51,6 +52,20 @@ def test_example_files_follow_the_schema():
     bad["kind"] = "other"
     with pytest.raises(ValueError, match="kind"):
         report.validate(bad)
+
+
+def test_committed_results_follow_the_schema():
+    # report.py reads every benchmarks/results/*.json and takes the table and sweep
+    # documents (features_bench.py's have a kind of their own); experiments' rows go in
+    # .jsonl files
+    docs = [json.load(open(p)) for p in glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.json"))]
+    assert all(isinstance(d, dict) and isinstance(d.get("kind"), str) for d in docs)
+    read = [d for d in docs if d["kind"] in ("table", "backward_sweep")]
+    assert read
+    for d in read:
+        report.validate(d)
+    with pytest.raises(ValueError, match="not an object but a list"):
+        report.validate([{"T": 4096}])
 
 
 def test_readme_section_and_figure(readme, tmp_path):
