@@ -387,28 +387,15 @@ def test_deterministic_backward_with_16_bit_partial_rows(case, gluon):
     check_backward(case, DEV, deterministic=True, partial16=True, main=_main(gluon))
 
 
-@pytest.mark.parametrize("case", [Case(300, 128, 512, 900, 640, ids="deepseek"),
-                                  Case(200, 128, 512, 700, 300, ids="dup", lengths=True)], ids=str)
-def test_16_bit_partial_rows_in_head_block_pairs_match_reference(monkeypatch, case):
-    """The prototype of head-block pairs with 16-bit rows (``backward.PAIRS_16``; the Gluon
-    kernel's follower reads the leader's fp16 piece back, adds, stores the sum) against the
-    float64 oracle (H = 128: one pair a token; duplicated ids, lengths)."""
-    monkeypatch.setattr(kbwd, "PAIRS_16", True)
-    check_backward(case, DEV, deterministic=True, partial16=True, main=_main(True))
-
-
-@pytest.mark.parametrize("H, lengths, pairs", [(64, False, False), (128, True, False), (16, False, False),
-                                               (128, True, True)])
+@pytest.mark.parametrize("H, lengths", [(64, False), (128, True), (16, False)])
 @pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
-def test_16_bit_partial_rows_give_the_same_bits_for_any_chunks(monkeypatch, gluon, H, lengths, pairs):
+def test_16_bit_partial_rows_give_the_same_bits_for_any_chunks(monkeypatch, gluon, H, lengths):
     """16-bit partial rows: the same bits run to run and for chunks of 300 and of 70 tokens;
     grad_q and grad_sink those of the fp32 rows (the rows do not enter them) and grad_kv
-    within fp16's rounding of each row of them; ``pairs``: in head-block pairs
-    (``backward.PAIRS_16``, the Gluon kernel's prototype)."""
+    within fp16's rounding of each row of them."""
     from helpers import relerr
 
     monkeypatch.setattr(kbwd, "EXACT_SUMS", False)
-    monkeypatch.setattr(kbwd, "PAIRS_16", pairs)
     main = _main(gluon)
     c = Case(300, H, 512, 900, 640, ids="deepseek", lengths=lengths)
     q, kv, idx, sink = make_case(c, DEV)

@@ -326,21 +326,19 @@ def test_gluon_backward_split_roles_compiles_for_sm90(red, has_len, split):
         assert all(lp["STG"] == 128 for lp in r["mma_loops"]), r["mma_loops"]
 
 
-@pytest.mark.parametrize("hp, paired", [(64, False), (16, False), (64, True)])
+@pytest.mark.parametrize("hp", [64, 16])
 @pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])
-def test_gluon_backward_16_bit_partial_rows_compile_for_sm90(has_len, hp, paired):
+def test_gluon_backward_16_bit_partial_rows_compile_for_sm90(has_len, hp):
     """The deterministic build with 16-bit partial rows (``launch(partial_exp=...)``: fp16
-    rows, the unsplit schedule) as the launcher builds it, and its build for head-block
-    pairs (``paired``, the prototype ``backward.PAIRS_16``: the follower reads the leader's
-    rows back): no serialisation, no reload in the block loops, no reduction. Only where it
+    rows, the unsplit schedule, no head-block pairs) as the launcher builds it: no
+    serialisation, no reload in the block loops, no reduction. Only where it
     is a default (``PARTIAL_16_TRITONS``; 3.6: 104-120 spill bytes outside the loops, as the
     fp32 rows' build)."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
 
     if not G.partial16_default(512, 512):
         pytest.skip(f"16-bit partial rows are not a default under Triton {G.TRITON_VERSION}")
-    r = compile_backward_gluon(red=False, split=0, p16=True, has_len=has_len, hp=hp, dq_tma=bool(G.DQ_TMA),
-                               paired=paired)
+    r = compile_backward_gluon(red=False, split=0, p16=True, has_len=has_len, hp=hp, dq_tma=bool(G.DQ_TMA))
     assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
     assert r["spill_bytes"] <= 1024, r
     assert len(r["mma_loops"]) == 2, r["mma_loops"]

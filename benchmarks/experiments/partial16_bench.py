@@ -38,7 +38,7 @@ REPS = int(os.environ.get("P16_REPS", "2"))
 
 def with_setting(run, name, value):
     """``run`` with ``backward``'s module setting ``name`` at ``value`` (``FOLD_RUNS``: the
-    fold cut by entry runs; ``PAIRS_16``: head-block pairs on 16-bit rows)."""
+    fold cut by entry runs)."""
     def forced():
         saved = getattr(kbwd, name)
         setattr(kbwd, name, value)
@@ -82,13 +82,10 @@ for T, H, K, ids in ROWS:
     # the fold cut by entry runs (the long contexts' fold) at these rows too
     arms["triton_fp32_runs"] = with_setting(arms["triton_fp32"], "FOLD_RUNS", True)
     arms["triton_16_runs"] = with_setting(arms["triton_16"], "FOLD_RUNS", True)
-    if H % 128 == 0:  # (head-block pairs with 16-bit rows: the prototype backward.PAIRS_16)
-        arms["gluon_16_pairs"] = with_setting(arms["gluon_16"], "PAIRS_16", True)
     if "P16_ARMS" in os.environ:
         arms = {k: v for k, v in arms.items() if k in os.environ["P16_ARMS"].split(",")}
     r = dict(T=T, H=H, K=K, ids=ids)
-    for fp32, b16 in (("triton_fp32", "triton_16"), ("gluon_det", "gluon_16"),
-                      ("gluon_det", "gluon_16_pairs")):
+    for fp32, b16 in (("triton_fp32", "triton_16"), ("gluon_det", "gluon_16")):
         if fp32 in arms and b16 in arms:
             ref, got = arms[fp32](), arms[b16]()
             r[f"{b16}_err_dkv_vs_fp32"] = relerr(got[1].float(), ref[1].float())
@@ -103,7 +100,7 @@ for T, H, K, ids in ROWS:
             r[f"{name}_ms_{rep}"] = round(ms, 4)
             r[f"{name}_tflops_{rep}"] = round(fl / ms * 1e-9, 1)
     for name in [n for n in ("triton_fp32", "triton_16", "triton_fp32_runs", "triton_16_runs", "gluon_det",
-                             "gluon_16", "gluon_16_pairs") if n in arms]:
+                             "gluon_16") if n in arms]:
         r[f"{name}_split"] = split(arms[name])
     print(json.dumps(r), flush=True)
     q = kv = idx = out = lse = do = None

@@ -49,10 +49,6 @@ EXACT_SUMS = False
 # 131072), grad_kv within 8.7e-4 of the fp32 rows' (its own bf16 rounding is 1.7e-3)
 # (docs/performance/backward.md#partial-rows-in-16-bits).
 PARTIAL_16 = True
-# With 16-bit rows, head blocks in pairs (one row an entry at H = 128: the follower reads the
-# leader's fp16 piece back, adds in fp32, stores the sum in 16 bits): a prototype, off until
-# timed (without it each head block writes its own 16-bit row)
-PAIRS_16 = False
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
 # of the backward is this plus O(T*H + N*D) fp32): under the 1 GiB the backward may
@@ -664,8 +660,9 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     if partial16 and (one_launch or not getattr(main, "PARTIAL_16", False) or D % 64):
         raise ValueError(f"16-bit partial rows: the deterministic mode's partial rows with a main kernel "
                          f"that has them, at D a multiple of 64 (here {main.NAME}, D = {D})")
-    # (16-bit rows: pairs only with PAIRS_16, a prototype)
-    paired = main.pairs_head_blocks(n_hb, deterministic and not exact) and (PAIRS_16 or not partial16)
+    # (16-bit rows: each head block writes its own rows; pairs measured slower:
+    # docs/performance/backward.md#partial-rows-in-16-bits)
+    paired = main.pairs_head_blocks(n_hb, deterministic and not exact) and not partial16
     n_part = n_hb // 2 if paired else n_hb
 
     if grad_q is None:  # tests pass a poisoned buffer to catch unwritten elements

@@ -51,13 +51,12 @@ from .common import cuda_properties
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON_VERSION, TensorDescriptor,
                      async_load, balanced_order, fake_group_base, hopper_rejects, load_ids, red_f32x4_fake,
                      red_f32x4_lines, red_f32x4_lines_exact, red_f32x4_lines_grid, red_s32x2_lines,
-                     ld_f16x4_fake, st_f16x4_fake, st_f32x4_fake, fresh, thread_barrier, tma_load, tma_store,
+                     st_f16x4_fake, st_f32x4_fake, fresh, thread_barrier, tma_load, tma_store,
                      tma_store_wait)
 
 NAME = "gluon_sm90"
 # 16-bit partial rows (``backward.sparse_mla_bwd(partial16=...)``, the default where
-# ``partial16_default``): ``launch`` takes ``partial_exp`` (D = 512; head-block pairs with
-# them a prototype: ``backward.PAIRS_16``)
+# ``partial16_default``): ``launch`` takes ``partial_exp`` (D = 512, no head-block pairs)
 PARTIAL_16 = True
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 BLOCK_H = 64  # heads of a tile (fewer heads: the tile's other rows are masked)
@@ -370,7 +369,7 @@ def _tile_blocks(LEN, pid_t, K, b0, nb_u, bcount, HAS_LEN: gl.constexpr):
 def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr,
               EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr, DQ_TMA: gl.constexpr,
               ABL: gl.constexpr, HP: gl.constexpr, TRANS: gl.constexpr, PARTS: gl.constexpr,
-              PAIRS: gl.constexpr = True, PAIRS16: gl.constexpr = False):
+              PAIRS: gl.constexpr = True):
     io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired, units = args
     H, N, K = sizes
     IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, EXP = io
@@ -401,11 +400,11 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
         elif SPLIT:
             _consume_tile_split(io_u, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t,
                                 pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, EVICT_LAST, SPLIT,
-                                EARLY, DQ_TMA, ABL, HP, PARTS, PAIRS, PAIRS16)
+                                EARLY, DQ_TMA, ABL, HP, PARTS, PAIRS)
         else:
             _consume_tile(io_u, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t,
                           pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST,
-                          DQ_TMA, ABL, HP, PARTS, PAIRS, PAIRS16)
+                          DQ_TMA, ABL, HP, PARTS, PAIRS)
         if ABL & 16:
             _stamp(TR, n_tiles, rank, tcount, _EV_C_END + 4 * WG, ABL)
         tcount += 1
@@ -642,8 +641,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
                         tcount, paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr,
                         EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr,
                         DQ_TMA: gl.constexpr, ABL: gl.constexpr, HP: gl.constexpr,
-                        PARTS: gl.constexpr = False, PAIRS: gl.constexpr = True,
-                        PAIRS16: gl.constexpr = False):
+                        PARTS: gl.constexpr = False, PAIRS: gl.constexpr = True):
     """One (token, 64-head block) tile of consumer ``WG``, the block's roles split in time:
     the owner of block g (g % 2 == WG) computes S, dP, P and dS, both consumers add dS KV
     to their halves of dQ, and then the owner forms all of the block's dKV rows (8 pieces
@@ -737,13 +735,13 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
                     nxt = _dkv_piece(p_smem.index(pb), ds_smem.index(pb), do_smem, q_smem, i // 2 + z,
                                      i % 2, HP, dkv_zero)
                 _send_piece(row_ptr + (((i - 1) // 2) * _QD + ((i - 1) % 2) * 64), offs_dd, acc, on, follower,
-                            paired, RED, EVICT_LAST, (PARTIAL, EXP), PAIRS16)
+                            paired, RED, EVICT_LAST, (PARTIAL, EXP))
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
                 if EARLY > 0 and i == 2 * EARLY - 1:  # pieces 0..i read the quarters before EARLY
                     mbarrier.arrive(bars.index(_QD_FREE_EARLY), pred=jj == nb_t - 1)
             mbarrier.arrive(free)  # P and dS read for the last time
             _send_piece(row_ptr + (3 * _QD + 64), offs_dd, acc, on, follower, paired, RED, EVICT_LAST,
-                        (PARTIAL, EXP), PAIRS16)
+                        (PARTIAL, EXP))
             if leader:  # publish: every thread's stores of this block, then the count (release)
                 thread_barrier()
                 gl.atomic_add(flag_base + j % 2, 1, sem="release", scope="gpu")
@@ -997,14 +995,13 @@ def _dkv_piece(p_smem, ds_smem, do_smem, q_smem, quarter, hh: gl.constexpr, HP: 
 
 @gluon.jit
 def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
-                EVICT_LAST: gl.constexpr, rows16=None, PAIRS16: gl.constexpr = False):
+                EVICT_LAST: gl.constexpr, rows16=None):
     """acc[slot, c] to row row_ptr[slot], column c: added to the fake-ordered fp32
     accumulator (``RED``; only the slots whose ``on`` is 1), or a partial row: stored, or
     (the follower of a head-block pair) added once to the leader's. Partial rows of fp16
     (``row_ptr`` an fp16 pointer: 16-bit partial rows) are stored scaled, their scales beside
-    them (``rows16``: the partial rows' base and the scales', ``_store_16``); with
-    ``PAIRS16`` (a build for head-block pairs, a prototype: ``backward.PAIRS_16``) a pair's
-    follower reads the leader's piece back, adds it in fp32 and stores the sum so."""
+    them (``rows16``: the partial rows' base and the scales', ``_store_16``; no head-block
+    pairs)."""
     if RED:
         on_el = gl.full(acc.shape, 1, gl.int32, acc.type.layout) * on[:, None]
         if RED == 7:  # the deterministic mode's exact two-word sums (``on``: the rows' codes)
@@ -1018,13 +1015,7 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
         else:
             red_f32x4_fake(fake_group_base(row_ptr, offs_d), acc, on_el)
     elif row_ptr.dtype.element_ty == gl.float16:  # (a compile-time choice: the rows' type)
-        if PAIRS16 and follower:  # the leader's piece (in place: its flag was acquired), then the sum
-            _store_16(row_ptr, offs_d, acc + _load_16(row_ptr, offs_d, rows16[0], rows16[1]), rows16[0],
-                      rows16[1], True)
-        elif PAIRS16 and paired:  # the follower reads these rows shortly: keep them in L2
-            _store_16(row_ptr, offs_d, acc, rows16[0], rows16[1], False)
-        else:
-            _store_16(row_ptr, offs_d, acc, rows16[0], rows16[1], True)
+        _store_16(row_ptr, offs_d, acc, rows16[0], rows16[1])
     else:  # partial rows, in the same fake column order (16-byte stores and adds)
         ones = gl.full(acc.shape, 1, gl.int32, acc.type.layout)
         gb = fake_group_base(row_ptr, offs_d)
@@ -1045,29 +1036,20 @@ def _scale_bytes(row_ptr, PARTIAL, EXP):
 
 
 @gluon.jit
-def _load_16(row_ptr, offs_d, PARTIAL, EXP):
-    """A [64, 64] piece of 16-bit partial rows (``_store_16``'s) back as fp32, decoded
-    exactly (fp16 times 2^s, its scale byte s + 127 built into the float's exponent)."""
-    sb = gl.load(_scale_bytes(row_ptr, PARTIAL, EXP), cache_modifier=".cg").to(gl.int32)
-    return ld_f16x4_fake(fake_group_base(row_ptr, offs_d)) * (sb << 23).to(gl.float32, bitcast=True)[:, None]
-
-
-@gluon.jit
-def _store_16(row_ptr, offs_d, acc, PARTIAL, EXP, STREAM: gl.constexpr = True):
+def _store_16(row_ptr, offs_d, acc, PARTIAL, EXP):
     """A [64 slots, 64 columns] piece to 16-bit partial rows
     (docs/performance/backward.md#partial-rows-in-16-bits): each slot's 64
     columns (one segment of its row) scaled by 2^-s so that their largest |value| lies in
     [2^14, 2^15) (s in [-126, 126]; 0 for a zero segment), stored as fp16 in fake column
     order (``st_f16x4_fake``), and s + 127 as the segment's byte of the scales
     (``backward._scaled``: int64 words, a byte a segment; ``_scale_bytes``). The row's
-    maximum is a quad's: its 4 lanes hold the row's 64 columns (two shuffles). ``STREAM``
-    off: plain stores (rows a pair's follower reads back)."""
+    maximum is a quad's: its 4 lanes hold the row's 64 columns (two shuffles)."""
     big = gl.max(gl.abs(acc), axis=1)
     e = ((big.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2) of a normal max
     s = gl.where(big == 0.0, 0, gl.minimum(gl.maximum(e - 14, -126), 126))
     inv = ((127 - s) << 23).to(gl.float32, bitcast=True)  # 2^-s, exact
     ones = gl.full(acc.shape, 1, gl.int32, acc.type.layout)
-    st_f16x4_fake(fake_group_base(row_ptr, offs_d), acc * inv[:, None], ones, STREAM)
+    st_f16x4_fake(fake_group_base(row_ptr, offs_d), acc * inv[:, None], ones)
     gl.store(_scale_bytes(row_ptr, PARTIAL, EXP), (s + 127).to(gl.uint8))
 
 
@@ -1075,8 +1057,7 @@ def _store_16(row_ptr, offs_d, acc, PARTIAL, EXP, STREAM: gl.constexpr = True):
 def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb, tcount,
                   paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr,
                   ROPE: gl.constexpr, EVICT_LAST: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr,
-                  HP: gl.constexpr, PARTS: gl.constexpr = False, PAIRS: gl.constexpr = True,
-                  PAIRS16: gl.constexpr = False):
+                  HP: gl.constexpr, PARTS: gl.constexpr = False, PAIRS: gl.constexpr = True):
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1): slot blocks 0..nb_t-1
     (the first of them the barriers' ``g0``-th), ids past slot ``k_end`` masked; ``nb``
     blocks per token in the partial-row buffer."""
@@ -1200,21 +1181,21 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
             while gl.atomic_add(done_ptr, 0, sem="relaxed", scope="gpu") < j - _LAG:
                 pass
         _send_piece(row_ptr + (2 * WG * _QD), offs_dd, acc, on, follower, paired, RED, EVICT_LAST,
-                    (PARTIAL, EXP), PAIRS16)
+                    (PARTIAL, EXP))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + 1 + z, 0, HP, dkv_zero)
         _send_piece(row_ptr + (2 * WG * _QD + 64), offs_dd, acc, on, follower, paired, RED, EVICT_LAST,
-                    (PARTIAL, EXP), PAIRS16)
+                    (PARTIAL, EXP))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + 1 + z, 1, HP, dkv_zero)
         _send_piece(row_ptr + ((2 * WG + 1) * _QD), offs_dd, acc, on, follower, paired, RED, EVICT_LAST,
-                    (PARTIAL, EXP), PAIRS16)
+                    (PARTIAL, EXP))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         if ROPE > 0:  # my 32 rope columns of the rows: dS^T Q_rope (no value term)
             rop = warpgroup_mma(ds_smem.index(z).permute((1, 0)), qr_smem.index(z).slice(32 * WG, 32, dim=1),
                                 r_zero, use_acc=False, is_async=True)
             _send_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, on, follower, paired, RED,
-                        EVICT_LAST, (PARTIAL, EXP), PAIRS16)
+                        EVICT_LAST, (PARTIAL, EXP))
             rop = warpgroup_mma_wait(num_outstanding=0, deps=(rop, ))
             mbarrier.arrive(bars.index(_PDS_FREE))  # P and dS read for the last time
             rows_r = gl.convert_layout(row_ptr, gl.SliceLayout(1, r_l))  # (the same rows: no data moves)
@@ -1224,7 +1205,7 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         else:
             mbarrier.arrive(bars.index(_PDS_FREE))  # P and dS read for the last time
             _send_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, on, follower, paired, RED,
-                        EVICT_LAST, (PARTIAL, EXP), PAIRS16)
+                        EVICT_LAST, (PARTIAL, EXP))
         if leader:  # publish: every thread's stores of this block, then the count (release)
             thread_barrier()
             gl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
@@ -1275,7 +1256,6 @@ def _bwd_main_gluon_kernel(
     TRANS: gl.constexpr = False,
     PARTS: gl.constexpr = False,
     PAIRS: gl.constexpr = True,
-    PAIRS16: gl.constexpr = False,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
@@ -1354,37 +1334,37 @@ def _bwd_main_gluon_kernel(
     if ROPE > 0:
         gl.warp_specialize([(_producer_rope, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS, PAIRS, PAIRS16)),
+                                         HP, TRANS, PARTS, PAIRS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS, PAIRS, PAIRS16))],
+                                         HP, TRANS, PARTS, PAIRS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 2:
         gl.warp_specialize([(_producer_qd_early2, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS, PAIRS, PAIRS16)),
+                                         HP, TRANS, PARTS, PAIRS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 2, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS, PAIRS, PAIRS16))],
+                                         HP, TRANS, PARTS, PAIRS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_EARLY == 3:
         gl.warp_specialize([(_producer_qd_early3, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS, PAIRS, PAIRS16)),
+                                         HP, TRANS, PARTS, PAIRS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 3, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS, PAIRS, PAIRS16))],
+                                         HP, TRANS, PARTS, PAIRS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     elif QD_TMA:
         gl.warp_specialize([(_producer_qd_tma, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS, PAIRS, PAIRS16)),
+                                         HP, TRANS, PARTS, PAIRS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS, PAIRS, PAIRS16))],
+                                         HP, TRANS, PARTS, PAIRS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     else:
         gl.warp_specialize([(_producer, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS, PAIRS, PAIRS16)),
+                                         HP, TRANS, PARTS, PAIRS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS, PAIRS, PAIRS16))],
+                                         HP, TRANS, PARTS, PAIRS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
 
 
@@ -1524,7 +1504,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     ``partial_exp`` (``backward.sparse_mla_bwd(partial16=...)``): ``partial``
     is fp16 and this holds its rows' scales (int64 [n_tok, n_hb // (1 + paired),
     partial_slots(K), 1]: a biased exponent byte a 64-column segment); D = 512. With
-    ``paired`` (a prototype, ``backward.PAIRS_16``) the follower adds the leader's rows."""
+    ``paired`` false (16-bit rows take no head-block pairs)."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
@@ -1602,7 +1582,6 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma, ABL=int(ablate),
         HP=hp, TRANS=trans, PARTS=n_units > n_full,
         PAIRS=_pairs_code(paired, partial is not None, rope, pairs_code),
-        PAIRS16=partial_exp is not None and bool(paired),
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
     if n_units > n_full:  # the remainder tiles' dQ: their parts summed in order

@@ -77,39 +77,13 @@ _ST_CS_PTX_SRC = _FAKE_PTX_SRC.replace(_FAKE_RED, "st.global.cs.v4.f32")
 _FAKE_CONSTRAINTS_SRC = "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r"
 # ``st_f16x4_fake``: the same fake column order in rows of fp16 (8 bytes a lane's four
 # values of a row's 16-column group), rounded by ``cvt.rn.f16x2.f32`` (its first source to
-# the upper half: the higher address), stored streaming (or, ``_ST16_KEEP``, plainly: rows a
-# head-block pair's follower reads back shortly).
+# the upper half: the higher address), stored streaming (each row is read once, by the fold).
 _ST16_PTX_SRC = _fake_ptx("l, h0, h1, h2, h3", 8, """    cvt.rn.f16x2.f32 h0, $17, $16;
     cvt.rn.f16x2.f32 h1, $21, $20;
     cvt.rn.f16x2.f32 h2, $19, $18;
     cvt.rn.f16x2.f32 h3, $23, $22;
     @p st.global.cs.v2.b32 [o], {h0, h1};
     @p8 st.global.cs.v2.b32 [o8], {h2, h3};""")
-_ST16_KEEP_PTX_SRC = _ST16_PTX_SRC.replace("st.global.cs.v2.b32", "st.global.v2.b32")
-# ``ld_f16x4_fake``: the values ``st_f16x4_fake`` stored, back in the wgmma layout's
-# registers as fp32 (an instance's outputs $0-$7 in its register order, from its group
-# bases $8 and $10), read at L2 (``.cg``: rows another SM wrote).
-_LD16_PTX_SRC = """{
-    .reg .b32 l, h0, h1, h2, h3;
-    .reg .b16 a0, a1, a2, a3, a4, a5, a6, a7;
-    .reg .b64 o, o8;
-""" + _fake_addresses(8) + """
-    ld.global.cg.v2.b32 {h0, h1}, [o];
-    ld.global.cg.v2.b32 {h2, h3}, [o8];
-    mov.b32 {a0, a1}, h0;
-    mov.b32 {a4, a5}, h1;
-    mov.b32 {a2, a3}, h2;
-    mov.b32 {a6, a7}, h3;
-    cvt.f32.f16 $0, a0;
-    cvt.f32.f16 $1, a1;
-    cvt.f32.f16 $2, a2;
-    cvt.f32.f16 $3, a3;
-    cvt.f32.f16 $4, a4;
-    cvt.f32.f16 $5, a5;
-    cvt.f32.f16 $6, a6;
-    cvt.f32.f16 $7, a7;
-}"""
-_LD16_CONSTRAINTS_SRC = "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l"
 
 # The PTX of ``red_f32x4_lines`` (one instance: 16 registers of a thread; see its docstring).
 # tests/test_fake_column_order.py replays it for every lane. Its two halves (suffix x, then
@@ -305,9 +279,6 @@ if gl is not None:
     _ST_PTX = gl.constexpr(_ST_PTX_SRC)
     _ST_CS_PTX = gl.constexpr(_ST_CS_PTX_SRC)
     _ST16_PTX = gl.constexpr(_ST16_PTX_SRC)
-    _ST16_KEEP_PTX = gl.constexpr(_ST16_KEEP_PTX_SRC)
-    _LD16_PTX = gl.constexpr(_LD16_PTX_SRC)
-    _LD16_CONSTRAINTS = gl.constexpr(_LD16_CONSTRAINTS_SRC)
     _FAKE_CONSTRAINTS = gl.constexpr(_FAKE_CONSTRAINTS_SRC)
     _LINES_PTX = gl.constexpr(_LINES_PTX_SRC)
     _LINES_PTX_EVICT_LAST = gl.constexpr(_LINES_EVICT_LAST_PTX_SRC)
@@ -427,24 +398,14 @@ if gl is not None:
                                          is_pure=False, pack=8)
 
     @gluon.jit
-    def st_f16x4_fake(group_base, acc, on, STREAM: gl.constexpr = True):
+    def st_f16x4_fake(group_base, acc, on):
         """Store a [64, 64] fp32 piece rounded to fp16 in rows of fp16, in fake column order
         (``red_f32x4_fake``'s order; ``group_base`` the byte address of a row's 16-column
-        group in the fp16 row), 8 bytes an instruction, streaming unless ``STREAM`` is off:
-        the deterministic mode's 16-bit partial rows (the values already scaled:
-        ``backward_gluon._store_16``). Rows whose ``on`` is 0 are skipped."""
-        if STREAM:
-            return gl.inline_asm_elementwise(_ST16_PTX, _FAKE_CONSTRAINTS, [group_base, acc, on],
-                                             dtype=gl.int32, is_pure=False, pack=8)
-        return gl.inline_asm_elementwise(_ST16_KEEP_PTX, _FAKE_CONSTRAINTS, [group_base, acc, on],
+        group in the fp16 row), 8 bytes an instruction, streaming: the deterministic mode's
+        16-bit partial rows (the values already scaled: ``backward_gluon._store_16``). Rows
+        whose ``on`` is 0 are skipped."""
+        return gl.inline_asm_elementwise(_ST16_PTX, _FAKE_CONSTRAINTS, [group_base, acc, on],
                                          dtype=gl.int32, is_pure=False, pack=8)
-
-    @gluon.jit
-    def ld_f16x4_fake(group_base):
-        """The [64, 64] fp16 piece ``st_f16x4_fake`` stored at ``group_base``, as fp32 in the
-        wgmma accumulator layout (of ``group_base``), read at L2."""
-        return gl.inline_asm_elementwise(_LD16_PTX, _LD16_CONSTRAINTS, [group_base], dtype=gl.float32,
-                                         is_pure=False, pack=8)
 
     @gluon.jit
     def _lines_asm(group_base, acc, on, PTX: gl.constexpr):
