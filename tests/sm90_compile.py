@@ -344,7 +344,7 @@ def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None,
 
     consts = dict(D=512, RED=G._red(not red, lines, ablate, exact), ABL=ablate, HAS_LEN=has_len, ROPE=rope,
                   EVICT_LAST=evict_last, SPLIT=split, HP=hp, TRANS=trans, PARTS=parts,
-                  PAIRS=G._pairs_code(paired, not red, rope))
+                  PAIRS=G._pairs_code(paired, not red, rope, rows16=p16 and bool(dq_tma)))
     types = BWD_TYPES
     if exact or p16:
         types = dict(BWD_TYPES, PARTIAL="*i32" if exact else "*fp16")

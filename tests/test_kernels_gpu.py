@@ -387,20 +387,24 @@ def test_deterministic_backward_with_16_bit_partial_rows(case, gluon):
     check_backward(case, DEV, deterministic=True, partial16=True, main=_main(gluon))
 
 
-@pytest.mark.parametrize("H, lengths", [(64, False), (128, True), (16, False)])
+@pytest.mark.parametrize("H, D, lengths", [(64, 512, False), (128, 512, True), (16, 512, False),
+                                           (64, 576, True), (128, 576, False)])
 @pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
-def test_16_bit_partial_rows_give_the_same_bits_for_any_chunks(monkeypatch, gluon, H, lengths):
+def test_16_bit_partial_rows_give_the_same_bits_for_any_chunks(monkeypatch, gluon, H, D, lengths):
     """16-bit partial rows: the same bits run to run and for chunks of 300 and of 70 tokens;
     grad_q and grad_sink those of the fp32 rows (the rows do not enter them) and grad_kv
-    within fp16's rounding of each row of them."""
+    within fp16's rounding of each row of them. D = 576: the 576/512 layout (its score-only
+    columns two 32-column segments, one a Gluon consumer), also against the float64
+    oracle."""
     from helpers import relerr
 
     monkeypatch.setattr(kbwd, "EXACT_SUMS", False)
     main = _main(gluon)
-    c = Case(300, H, 512, 900, 640, ids="deepseek", lengths=lengths)
+    c = Case(300, H, D, 900, 640, ids="deepseek", lengths=lengths)
+    d_v = 512 if D == 576 else None
     q, kv, idx, sink = make_case(c, DEV)
     length = make_lengths(c, DEV)
-    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5, topk_length=length)
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5, topk_length=length, d_v=d_v)
     do, dl = torch.randn_like(out), torch.randn_like(lse)
 
     def run(partial16, chunk=None):
@@ -416,6 +420,9 @@ def test_16_bit_partial_rows_give_the_same_bits_for_any_chunks(monkeypatch, gluo
     f = run(False)
     assert torch.equal(a[0], f[0]) and torch.equal(a[2], f[2])
     assert relerr(a[1].float(), f[1].float()) < 2e-3
+    if d_v:
+        rq, rkv, rs = oracle_bwd(do, dl, q, kv, idx, sink, None, length, d_v)
+        assert relerr(a[0], rq) < 3e-2 and relerr(a[1], rkv) < 3e-2 and relerr(a[2], rs) < 2e-2
 
 
 @pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])

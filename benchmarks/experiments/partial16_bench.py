@@ -26,10 +26,13 @@ from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon, backward_triton
 from side_by_side import pool_inputs, relerr
 
-D = 512
+# P16_D=576: the 576/512 layout (q.k over 576 columns, values the first 512; 16-bit rows
+# there have the score-only columns as two 32-column segments, one a Gluon consumer)
+D = int(os.environ.get("P16_D", "512"))
+D_V = 512 if D == 576 else None
 ROWS = [(4096, 64, 640, "distinct"), (4096, 128, 1152, "distinct"), (32768, 64, 640, "distinct"),
         (4096, 16, 1152, "distinct"), (4096, 32, 1152, "distinct"), (131072, 64, 640, "causal"),
-        (4096, 64, 640, "causal")]
+        (4096, 64, 640, "causal"), (4096, 64, 2048, "distinct")]
 # P16_ROWS="0,1": rows of ROWS (default 0, 1, 3, 4); P16_REPS: A, B passes (default 2);
 # P16_ARMS: the arms timed (default all)
 ROWS = [ROWS[int(i)] for i in os.environ.get("P16_ROWS", "0,1,3,4").split(",")]
@@ -66,7 +69,7 @@ def split(run):
 
 
 for T, H, K, ids in ROWS:
-    q, kv, idx, sink, do, out, lse = pool_inputs(T, H, K, ids)
+    q, kv, idx, sink, do, out, lse = pool_inputs(T, H, K, ids, D=D, d_v=D_V)
     arms = {
         "triton_fp32": lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
                                                    main=backward_triton, deterministic=True, partial16=False),
@@ -84,7 +87,7 @@ for T, H, K, ids in ROWS:
     arms["triton_16_runs"] = with_setting(arms["triton_16"], "FOLD_RUNS", True)
     if "P16_ARMS" in os.environ:
         arms = {k: v for k, v in arms.items() if k in os.environ["P16_ARMS"].split(",")}
-    r = dict(T=T, H=H, K=K, ids=ids)
+    r = dict(T=T, H=H, K=K, D=D, ids=ids)
     for fp32, b16 in (("triton_fp32", "triton_16"), ("gluon_det", "gluon_16")):
         if fp32 in arms and b16 in arms:
             ref, got = arms[fp32](), arms[b16]()
@@ -92,7 +95,7 @@ for T, H, K, ids in ROWS:
             r[f"{b16}_dq_dsink_equal"] = bool(torch.equal(got[0], ref[0]) and torch.equal(got[2], ref[2]))
             r[f"{b16}_bitwise_rerun"] = all(torch.equal(x, y) for x, y in zip(got, arms[b16]()))
             ref = got = None
-    fl = 10 * T * H * K * D
+    fl = 2 * T * H * K * (3 * D + 2 * (D_V or D))  # (10 T H K D at D = d_v)
     names = list(arms)
     for rep in range(REPS):
         for name in (names if rep % 2 == 0 else names[::-1]):

@@ -35,11 +35,12 @@ def inputs(T, H, K, D=512, d_v=None, seed=None, dev="cuda"):
     return q, kv, idx, sink, do, out, lse
 
 
-def pool_inputs(T, H, K, pool, D=512, dev="cuda"):
+def pool_inputs(T, H, K, pool, D=512, dev="cuda", d_v=None):
     """q, kv, idx, sink, grad_out, out, lse of the long-context L2 experiments
     (evict_last_bench.py, l2_persist_bench.py): ``testing.deepseek_indices`` with ``pool``
     ("distinct" or "causal") into max(T // 4, K) pool rows after the T raw rows, seed 0, a
-    random sink; out and lse from the default forward, scale D ** -0.5."""
+    random sink; out and lse from the default forward, scale D ** -0.5 (``d_v``: values
+    narrower than keys, as D = 576, d_v = 512)."""
     from dsv4_sparse_attn import testing
 
     torch.manual_seed(0)
@@ -49,7 +50,7 @@ def pool_inputs(T, H, K, pool, D=512, dev="cuda"):
     q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
     kv = torch.randn(T + n_pool, D, device=dev, dtype=torch.bfloat16)
     sink = torch.randn(H, device=dev)
-    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
+    out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, None, d_v)
     return q, kv, idx, sink, torch.randn_like(out), out, lse
 
 

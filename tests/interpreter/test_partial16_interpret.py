@@ -21,14 +21,17 @@ def _entries(T, K, N, seed):
     return keys.to(torch.int32), order.to(torch.int64), seg.to(torch.int64)
 
 
-def _rows16(T, n_hb, K, D, seed):
-    """fp16 partial rows, scales 2^s with s in [-40, 20] a 64-column segment (packed), and
-    the fp32 rows they stand for (value = fp16 * 2^s: exact in fp32)."""
+def _rows16(T, n_hb, K, D, seed, rope=False):
+    """fp16 partial rows, scales 2^s with s in [-40, 20] a segment (packed), and the fp32
+    rows they stand for (value = fp16 * 2^s: exact in fp32). Segments of 64 columns; with
+    ``rope`` the last 64 columns are two of 32 (``backward._scaled``, ``P16 == 2``)."""
     g = torch.Generator().manual_seed(seed)
     v = (torch.randn(T, n_hb, K, D, generator=g) * 1e4).clamp(-6e4, 6e4).half()
-    s = torch.randint(-40, 21, (T, n_hb, K, D // 64), generator=g, dtype=torch.int8)
-    dec = v.float() * torch.exp2(s.float()).repeat_interleave(64, dim=-1)
-    assert torch.equal(dec.double(), v.double() * torch.exp2(s.double()).repeat_interleave(64, dim=-1))
+    widths = torch.tensor([64] * (D // 64 - rope) + [32, 32] * rope)
+    s = torch.randint(-40, 21, (T, n_hb, K, len(widths)), generator=g, dtype=torch.int8)
+    per_col = s.float().repeat_interleave(widths, dim=-1)
+    dec = v.float() * torch.exp2(per_col)
+    assert torch.equal(dec.double(), v.double() * torch.exp2(per_col.double()))
     return v, pack_scales(s), dec
 
 
@@ -41,16 +44,20 @@ def pack_scales(s):
     return b.view(torch.int64)
 
 
-@pytest.mark.parametrize("n_hb, D", [(1, 128), (2, 192), (2, 576)])
-def test_fold_of_16_bit_rows_equals_the_fold_of_their_fp32_values(n_hb, D):
+@pytest.mark.parametrize("n_hb, D, rope", [(1, 128, False), (2, 192, False), (2, 576, False), (1, 576, True),
+                                           (2, 320, True), (1, 128, True)])
+def test_fold_of_16_bit_rows_equals_the_fold_of_their_fp32_values(n_hb, D, rope):
+    """``rope``: rows that end in 64 score-only columns (the 576/512 layout, or d_v + 64),
+    those scaled as two segments of 32 (``P16 == 2``)."""
     from dsv4_sparse_attn.kernels import backward as kbwd
 
     T, K, N = 6, 9, 17
     keys, order, seg = _entries(T, K, N, seed=n_hb)
-    v, s, dec = _rows16(T, n_hb, K, D, seed=D)
+    v, s, dec = _rows16(T, n_hb, K, D, seed=D, rope=rope)
+    assert s.shape[-1] == kbwd.scale_words(D, rope)
     acc0 = torch.randn(N, D, generator=torch.Generator().manual_seed(3))
     results = []
-    for p16 in (False, True):
+    for p16 in (False, 2 if rope else 1):
         part, exp = (v, s) if p16 else (dec, None)
         a = acc0.clone()
         kbwd._dkv_reduce_kernel[(triton.cdiv(N, 4), 1)](

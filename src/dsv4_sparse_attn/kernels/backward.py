@@ -158,6 +158,13 @@ def _bwd_delta_kernel(
     tl.store(DELTA + pid_t * H + offs_h, delta, mask=h_mask)
 
 
+def scale_words(D: int, rope: bool) -> int:
+    """int64 words of a 16-bit partial row's scales: a byte a 64-column segment, and with
+    ``rope`` (64 score-only columns last) those 64 columns as two segments of 32
+    (``_scaled``; the jit functions write the same expression out)."""
+    return (D // 64 + int(rope) + 7) // 8
+
+
 @triton.jit
 def _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.constexpr, D: tl.constexpr,
                 MASK_D: tl.constexpr, EXP=None, P16: tl.constexpr = False):
@@ -173,7 +180,7 @@ def _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.cons
         m = ok[:, None]
     ew = None
     if P16:  # (each row's scale words, one load a row, broadcast along it)
-        ew = _partial_row(EXP, entry, K, k_stride, N_HB, (D // 64 + 7) // 8)
+        ew = _partial_row(EXP, entry, K, k_stride, N_HB, (D // 64 + (P16 == 2) + 7) // 8)
     return _sum_parts(ptr, m, k_stride, N_HB, D, ew, ok, offs_d[None, :], P16, TILE=True)
 
 
@@ -210,37 +217,43 @@ def _sum_parts(ptr, m, k_stride, N_HB: tl.constexpr, D: tl.constexpr, ew=None, o
     the fp16 times the scale, is exact in fp32."""
     x = tl.load(ptr, mask=m, other=0.0)
     if P16:
-        x = _scaled(x, ew, ok, cols, D, TILE)
+        x = _scaled(x, ew, ok, cols, D, TILE, P16)
     for hb in tl.static_range(1, N_HB):
         y = tl.load(ptr + hb * k_stride * D, mask=m, other=0.0)
         if P16:
-            y = _scaled(y, ew + hb * k_stride * ((D // 64 + 7) // 8), ok, cols, D, TILE)
+            y = _scaled(y, ew + hb * k_stride * ((D // 64 + (P16 == 2) + 7) // 8), ok, cols, D, TILE, P16)
         x += y
     return x
 
 
 @triton.jit
-def _scaled(x, ew, ok, cols, D: tl.constexpr, TILE: tl.constexpr):
-    """fp16 ``x`` (columns ``cols``) times its segment's scale: byte ``cols // 64`` of the
+def _scaled(x, ew, ok, cols, D: tl.constexpr, TILE: tl.constexpr, P16: tl.constexpr):
+    """fp16 ``x`` (columns ``cols``) times its segment's scale: the segment's byte of the
     words at ``ew`` is the scale's biased exponent, so the float is built from its bits.
-    One word load (two at D > 512) an entry and part, not a byte load a value: ``ew`` is a
-    scalar or, with ``TILE``, one pointer a row of the tile ([ROWS], loaded so and widened
-    after: a [ROWS, 1] load would be repeated for each value a thread holds)."""
-    NW: tl.constexpr = (D // 64 + 7) // 8  # (the words a row: a byte a 64-column segment)
+    Segments of 64 columns, byte ``cols // 64``; with ``P16 == 2`` (rows with 64 score-only
+    columns last: the Gluon kernel splits those between its two consumers) the last 64
+    columns are two segments of 32, bytes ``(D - 64) / 64`` and one more (``scale_bytes``).
+    One word load (two past 8 segments) an entry and part, not a byte load a value: ``ew``
+    is a scalar or, with ``TILE``, one pointer a row of the tile ([ROWS], loaded so and
+    widened after: a [ROWS, 1] load would be repeated for each value a thread holds)."""
+    NW: tl.constexpr = (D // 64 + (P16 == 2) + 7) // 8  # (the words a row: a byte a segment)
     tl.static_assert(NW <= 2)
+    b = cols // 64
+    if P16 == 2:
+        b += (cols >= D - 64) & ((cols // 32) % 2 == 1)
     w = tl.load(ew, mask=ok, other=0)
     lo = w.to(tl.int32)
     hi = (w >> 32).to(tl.int32)
     if TILE:
         lo = lo[:, None]
         hi = hi[:, None]
-    half = tl.where((cols // 256) % 2 == 0, lo, hi)
+    half = tl.where((b // 4) % 2 == 0, lo, hi)
     if NW == 2:
         w2 = tl.load(ew + 1, mask=ok, other=0).to(tl.int32)
         if TILE:
             w2 = w2[:, None]
-        half = tl.where(cols < 512, half, w2)
-    e = (half >> (((cols // 64) % 4) * 8)) & 0xFF
+        half = tl.where(b < 8, half, w2)
+    e = (half >> ((b % 4) * 8)) & 0xFF
     return x.to(tl.float32) * (e << 23).to(tl.float32, bitcast=True)
 
 
@@ -275,6 +288,8 @@ def _dkv_reduce_kernel(
     waiting on each row's chain of dependent loads (T = 131072: 1.3 TB/s, against 3.3 at
     T = 4096; docs/performance/backward.md#the-fold-at-long-contexts).
     N_HB, the head-block parts per partial row (1 or 2 in practice), is compile-time.
+    ``P16`` (16-bit partial rows: their scales at ``EXP``, ``_scaled``): 1, or 2 where the
+    rows end in 64 score-only columns, scaled as two segments of 32.
     """
     tl.static_assert(UNROLL == 4 or UNROLL == 8)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -381,7 +396,7 @@ def _run_entry(PARTIAL, ORDER, KEYS, ACC, e, e_hi, prev, K, k_stride, offs_d, d_
     ew = None
     cols = offs_d
     if P16:  # (the entry's scale words: one load, broadcast along the row)
-        ew = _partial_row(EXP, entry, K, k_stride, N_HB, (D // 64 + 7) // 8)
+        ew = _partial_row(EXP, entry, K, k_stride, N_HB, (D // 64 + (P16 == 2) + 7) // 8)
         cols = _runs_of_4(offs_d)
     x = _sum_parts(base + cols, m, k_stride, N_HB, D, ew, ok, offs_d, P16)
     st = ok & (r != prev)
@@ -727,10 +742,11 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         fold16 = {}  # (the fold's arguments for 16-bit rows: their scales)
         if partial16:
             # (each row's segment scales as biased exponent bytes, in int64 words: one load a row)
-            partial_exp = torch.empty((chunk, n_part, k_stride, triton.cdiv(D // 64, 8)), dtype=torch.int64,
+            rope = grad_out.shape[-1] != D  # (its last 64 columns: two segments of 32)
+            partial_exp = torch.empty((chunk, n_part, k_stride, scale_words(D, rope)), dtype=torch.int64,
                                       device=dev)
             main_options = dict(main_options, partial_exp=partial_exp)
-            fold16 = dict(EXP=partial_exp, P16=True)
+            fold16 = dict(EXP=partial_exp, P16=2 if rope else 1)
         # Sort keys as narrow as N allows: the radix sort makes one pass per key byte
         # (int64 keys: 8 passes, int16: 2).
         key_dtype = torch.int16 if N < 2**15 - 1 else torch.int32 if N < 2**31 - 1 else torch.int64

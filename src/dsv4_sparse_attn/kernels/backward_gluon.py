@@ -56,7 +56,7 @@ from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON
 
 NAME = "gluon_sm90"
 # 16-bit partial rows (``backward.sparse_mla_bwd(partial16=...)``, the default where
-# ``partial16_default``): ``launch`` takes ``partial_exp`` (D = 512, no head-block pairs)
+# ``partial16_default``): ``launch`` takes ``partial_exp`` (D = 512 or 576/512, no head-block pairs)
 PARTIAL_16 = True
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 BLOCK_H = 64  # heads of a tile (fewer heads: the tile's other rows are masked)
@@ -995,12 +995,13 @@ def _dkv_piece(p_smem, ds_smem, do_smem, q_smem, quarter, hh: gl.constexpr, HP: 
 
 @gluon.jit
 def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
-                EVICT_LAST: gl.constexpr, rows16=None):
+                EVICT_LAST: gl.constexpr, rows16=None, SEG: gl.constexpr = -1):
     """acc[slot, c] to row row_ptr[slot], column c: added to the fake-ordered fp32
     accumulator (``RED``; only the slots whose ``on`` is 1), or a partial row: stored, or
     (the follower of a head-block pair) added once to the leader's. Partial rows of fp16
     (``row_ptr`` an fp16 pointer: 16-bit partial rows) are stored scaled, their scales beside
-    them (``rows16``: the partial rows' base and the scales', ``_store_16``; no head-block
+    them (``rows16``: the partial rows' base and the scales', or with ``SEG`` >= 0 the
+    scales' and each row's index, and the piece's segment: ``_store_16``; no head-block
     pairs)."""
     if RED:
         on_el = gl.full(acc.shape, 1, gl.int32, acc.type.layout) * on[:, None]
@@ -1015,7 +1016,7 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
         else:
             red_f32x4_fake(fake_group_base(row_ptr, offs_d), acc, on_el)
     elif row_ptr.dtype.element_ty == gl.float16:  # (a compile-time choice: the rows' type)
-        _store_16(row_ptr, offs_d, acc, rows16[0], rows16[1])
+        _store_16(row_ptr, offs_d, acc, rows16[0], rows16[1], SEG)
     else:  # partial rows, in the same fake column order (16-byte stores and adds)
         ones = gl.full(acc.shape, 1, gl.int32, acc.type.layout)
         gb = fake_group_base(row_ptr, offs_d)
@@ -1035,8 +1036,17 @@ def _scale_bytes(row_ptr, PARTIAL, EXP):
     return EXP.to(gl.pointer_type(gl.uint8)) + ((row_ptr.to(gl.int64) - PARTIAL.to(gl.int64)) >> 7)
 
 
+@gluon.constexpr_function
+def _seg16(col, rope):
+    """The scale byte of the 64-column segment at value column ``col`` of a 576-column
+    16-bit row (two scale words a row: bytes 0-7 the 64-column segments, 8 and 9 the
+    score-only columns' halves, one a consumer: ``backward._scaled``'s layout); -1 (from
+    the piece's address) without score-only columns."""
+    return col // 64 if rope else -1
+
+
 @gluon.jit
-def _store_16(row_ptr, offs_d, acc, PARTIAL, EXP):
+def _store_16(row_ptr, offs_d, acc, PARTIAL, EXP, SEG: gl.constexpr = -1):
     """A [64 slots, 64 columns] piece to 16-bit partial rows
     (docs/performance/backward.md#partial-rows-in-16-bits): each slot's 64
     columns (one segment of its row) scaled by 2^-s so that their largest |value| lies in
@@ -1050,7 +1060,11 @@ def _store_16(row_ptr, offs_d, acc, PARTIAL, EXP):
     inv = ((127 - s) << 23).to(gl.float32, bitcast=True)  # 2^-s, exact
     ones = gl.full(acc.shape, 1, gl.int32, acc.type.layout)
     st_f16x4_fake(fake_group_base(row_ptr, offs_d), acc * inv[:, None], ones)
-    gl.store(_scale_bytes(row_ptr, PARTIAL, EXP), (s + 127).to(gl.uint8))
+    if SEG < 0:  # (D = 512: from the row's address)
+        gl.store(_scale_bytes(row_ptr, PARTIAL, EXP), (s + 127).to(gl.uint8))
+    else:  # (576 columns: PARTIAL the scales, EXP each row's index; two words a row)
+        scales = PARTIAL.to(gl.pointer_type(gl.uint8))
+        gl.store(scales + (EXP.to(gl.int64) * 16 + SEG), (s + 127).to(gl.uint8))
 
 
 @gluon.jit
@@ -1169,6 +1183,10 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         # from the first's, in the loop too)
         offs_kz = _row_pair(offs_ks + z)
         row_ptr, on = _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED, D, ABL)
+        rows16 = (PARTIAL, EXP)  # (16-bit rows' scales: D = 512, from each piece's address)
+        if ROPE > 0:
+            if PARTIAL.dtype.element_ty == gl.float16:  # (576: each row's index, its scales' word pair)
+                rows16 = (EXP, _row_pair(slot0 + (j ^ z) * _BK))
         # Four 64-column pieces (32 registers each next to dQ's 128); each piece's adds
         # are issued while the next piece's wgmma runs.
         acc = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + z, 0, HP, dkv_zero)
@@ -1181,31 +1199,34 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
             while gl.atomic_add(done_ptr, 0, sem="relaxed", scope="gpu") < j - _LAG:
                 pass
         _send_piece(row_ptr + (2 * WG * _QD), offs_dd, acc, on, follower, paired, RED, EVICT_LAST,
-                    (PARTIAL, EXP))
+                    rows16, _seg16(2 * WG * _QD, ROPE))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + 1 + z, 0, HP, dkv_zero)
         _send_piece(row_ptr + (2 * WG * _QD + 64), offs_dd, acc, on, follower, paired, RED, EVICT_LAST,
-                    (PARTIAL, EXP))
+                    rows16, _seg16(2 * WG * _QD + 64, ROPE))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         nxt = _dkv_piece(p_smem.index(z), ds_smem.index(z), do_smem, q_smem, 2 * WG + 1 + z, 1, HP, dkv_zero)
         _send_piece(row_ptr + ((2 * WG + 1) * _QD), offs_dd, acc, on, follower, paired, RED, EVICT_LAST,
-                    (PARTIAL, EXP))
+                    rows16, _seg16((2 * WG + 1) * _QD, ROPE))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         if ROPE > 0:  # my 32 rope columns of the rows: dS^T Q_rope (no value term)
             rop = warpgroup_mma(ds_smem.index(z).permute((1, 0)), qr_smem.index(z).slice(32 * WG, 32, dim=1),
                                 r_zero, use_acc=False, is_async=True)
             _send_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, on, follower, paired, RED,
-                        EVICT_LAST, (PARTIAL, EXP))
+                        EVICT_LAST, rows16, _seg16((2 * WG + 1) * _QD + 64, ROPE))
             rop = warpgroup_mma_wait(num_outstanding=0, deps=(rop, ))
             mbarrier.arrive(bars.index(_PDS_FREE))  # P and dS read for the last time
             rows_r = gl.convert_layout(row_ptr, gl.SliceLayout(1, r_l))  # (the same rows: no data moves)
             on_r = gl.convert_layout(on, gl.SliceLayout(1, r_l))
+            rows16_r = rows16
+            if PARTIAL.dtype.element_ty == gl.float16:  # (my half of the score-only columns: byte 8 + WG)
+                rows16_r = (EXP, gl.convert_layout(rows16[1], gl.SliceLayout(1, r_l)))
             _send_piece(rows_r + (4 * _QD + 32 * WG), offs_r32, rop, on_r, follower, paired, RED,
-                        EVICT_LAST)
+                        EVICT_LAST, rows16_r, 8 + WG)
         else:
             mbarrier.arrive(bars.index(_PDS_FREE))  # P and dS read for the last time
             _send_piece(row_ptr + ((2 * WG + 1) * _QD + 64), offs_dd, acc, on, follower, paired, RED,
-                        EVICT_LAST, (PARTIAL, EXP))
+                        EVICT_LAST, rows16)
         if leader:  # publish: every thread's stores of this block, then the count (release)
             thread_barrier()
             gl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
@@ -1502,9 +1523,10 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     ``exact_codes``: int32 [N] (``exact_sums.row_codes``), the deterministic mode's exact
     two-word sums into ``acc`` [N, 2 D] (``partial`` None; D = 512, ``exact_sums_ok``).
     ``partial_exp`` (``backward.sparse_mla_bwd(partial16=...)``): ``partial``
-    is fp16 and this holds its rows' scales (int64 [n_tok, n_hb // (1 + paired),
-    partial_slots(K), 1]: a biased exponent byte a 64-column segment); D = 512. With
-    ``paired`` false (16-bit rows take no head-block pairs)."""
+    is fp16 and this holds its rows' scales (int64 [n_tok, n_hb, partial_slots(K),
+    backward.scale_words(D, rope)]: a biased exponent byte a segment); D = d_v = 512 or the
+    576/512 layout (its score-only columns two segments of 32, one a consumer); ``paired``
+    false (16-bit rows take no head-block pairs)."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
@@ -1514,8 +1536,8 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
                          f"got D = {D}, d_v = {grad_out.shape[-1]}")
     n_tiles = n_tok * n_hb
     if partial_exp is not None and (partial is None or partial.dtype != torch.float16
-                                    or D != 512 or grad_out.shape[-1] != 512):
-        raise ValueError("16-bit partial rows: fp16 rows at D = d_v = 512")
+                                    or D not in (512, 576) or grad_out.shape[-1] != 512):
+        raise ValueError("16-bit partial rows: fp16 rows at D = d_v = 512 or the 576/512 layout")
     if partial is not None and partial.dtype != torch.float32 and partial_exp is None:
         raise ValueError(f"partial rows: fp32, or fp16 with their scales (partial_exp); got {partial.dtype}")
     if paired and (partial is None or n_hb % 2):
@@ -1581,7 +1603,8 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         EVICT_LAST=_evict_last(N, D, q.device, evict_last) and partial is None and not exact,
         ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma, ABL=int(ablate),
         HP=hp, TRANS=trans, PARTS=n_units > n_full,
-        PAIRS=_pairs_code(paired, partial is not None, rope, pairs_code),
+        PAIRS=_pairs_code(paired, partial is not None, rope, pairs_code,
+                          rows16=partial_exp is not None and bool(dq_by_tma)),
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
     if n_units > n_full:  # the remainder tiles' dQ: their parts summed in order
@@ -1672,7 +1695,8 @@ def _split(deterministic: bool, split, n_hb: int = 1, K: int = 0) -> int:
     return int(split)
 
 
-def _pairs_code(paired: bool, deterministic: bool, rope: int = 0, pairs_code=None) -> bool:
+def _pairs_code(paired: bool, deterministic: bool, rope: int = 0, pairs_code=None,
+                rows16: bool = False) -> bool:
     """The kernel's ``PAIRS``: whether its build holds the head-block pairs' code. A paired
     launch needs it (the deterministic mode at two head blocks); under Triton 3.9 every
     other build leaves it out (before ``hopper.fresh`` that took the fast mode's block-loop
@@ -1682,13 +1706,18 @@ def _pairs_code(paired: bool, deterministic: bool, rope: int = 0, pairs_code=Non
     Not the deterministic 576/512 build, which without it serialises its wgmmas under 3.9,
     nor under 3.6-3.8, whose builds stay as measured (with the pairs' flags runtime zeros;
     under 3.6 leaving them out shortens the loops, 2081 -> 1514 instructions in the
-    deterministic split 1, with no reload: untimed, a candidate). ``pairs_code`` (default
-    ``PAIRS_CODE``) overrides it where the launch has no pairs."""
+    deterministic split 1, with no reload: untimed, a candidate). Nor the 576/512 build
+    with 16-bit rows and dQ by TMA (``rows16``; such rows never pair): with the code its
+    block loops reload a value each (Triton 3.6), without it none (with dQ's plain stores,
+    without it the wgmmas serialise). ``pairs_code`` (default ``PAIRS_CODE``)
+    overrides it where the launch has no pairs."""
     if paired:
         return True
     want = PAIRS_CODE if pairs_code is None else pairs_code
     if want is not None:
         return bool(want)
+    if rows16 and rope:
+        return False
     return not (_TRITON_39 and (rope == 0 or not deterministic))
 
 

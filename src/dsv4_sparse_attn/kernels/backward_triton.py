@@ -38,12 +38,12 @@ _MAIN_RUNTIME_INTS = ["T", "H", "N", "K", "t_begin", "stride_it", "stride_lt"]
 
 @triton.jit
 def _send_part(part, ptr, mask, code, ATOMIC: tl.constexpr, EXACT: tl.constexpr, W: tl.constexpr,
-               eptr=None, P16: tl.constexpr = False):
+               eptr=None, P16: tl.constexpr = False, SEG: tl.constexpr = 64):
     """A transposed dKV tile to its rows: fp32 atomic adds (``ATOMIC``; ``EXACT``: each value
     split into two words on its row's grid, ``code`` [1, BLOCK_K], the lo word W columns
     on: exact_sums), or stores to the partial rows (``P16``: see ``_store_16``)."""
     if P16:
-        _store_16(part, ptr, eptr, mask)
+        _store_16(part, ptr, eptr, mask, SEG)
     elif EXACT:
         hi, lo = split_to_grid(part, code)
         tl.atomic_add(ptr, hi, mask=mask, sem="relaxed")
@@ -55,16 +55,16 @@ def _send_part(part, ptr, mask, code, ATOMIC: tl.constexpr, EXACT: tl.constexpr,
 
 
 @triton.jit
-def _store_16(part, ptr, eptr, mask):
+def _store_16(part, ptr, eptr, mask, SEG: tl.constexpr = 64):
     """16-bit partial rows (docs/performance/backward.md#partial-rows-in-16-bits): the
-    transposed tile ``part`` ([64 j columns, BLOCK_K slots] fp32) as fp16, each slot's
-    64-column segment scaled by 2^-s so that its largest |value| lies in [2^14, 2^15) (s in
-    [-126, 126]; 0 for a zero segment), s stored at ``eptr`` ([j, BLOCK_K]: the segments'
-    bytes) as its biased exponent s + 127. The fold (``backward._sum_parts``) undoes the
-    scale exactly."""
+    transposed tile ``part`` ([C columns, BLOCK_K slots] fp32) as fp16, each slot's
+    ``SEG``-column segment (64; 32 for the score-only columns: ``backward._scaled``) scaled
+    by 2^-s so that its largest |value| lies in [2^14, 2^15) (s in [-126, 126]; 0 for a
+    zero segment), s stored at ``eptr`` ([C / SEG, BLOCK_K]: the segments' bytes) as its
+    biased exponent s + 127. The fold (``backward._sum_parts``) undoes the scale exactly."""
     C: tl.constexpr = part.shape[0]
     BK: tl.constexpr = part.shape[1]
-    seg = tl.reshape(part, (C // 64, 64, BK))
+    seg = tl.reshape(part, (C // SEG, SEG, BK))
     big = tl.max(tl.abs(seg), axis=1)  # [C / 64, BLOCK_K]
     e = ((big.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2) of a normal max
     s = tl.where(big == 0.0, 0, tl.minimum(tl.maximum(e - 14, -126), 126))
@@ -90,9 +90,10 @@ def _dkv_quarter(p_mm, ds_mm, do_x, q_x, ptr, mask, code, ATOMIC: tl.constexpr, 
 def _dkv_score_only(ds_mm, q_x, ptr, mask, code, ATOMIC: tl.constexpr, EXACT: tl.constexpr, W: tl.constexpr,
                     eptr=None, P16: tl.constexpr = False):
     """The dKV rows of the score-only (rotary) columns, transposed: Q^T (scale dS); no
-    P^T dO term, since those columns are no value."""
+    P^T dO term, since those columns are no value. (16-bit rows: two 32-column segments,
+    as the Gluon kernel's two consumers store them.)"""
     part = tl.dot(tl.trans(q_x), ds_mm)
-    _send_part(part, ptr, mask, code, ATOMIC, EXACT, W, eptr, P16)
+    _send_part(part, ptr, mask, code, ATOMIC, EXACT, W, eptr, P16, 32)
 
 
 @triton.jit(do_not_specialize=_MAIN_RUNTIME_INTS)
@@ -215,9 +216,10 @@ def _bwd_main_kernel(
         out_ptr = row_ptr + offs_dt
         e_ptr = None
         if P16:  # each slot's 64-column segments' scales (a byte a segment)
-            tl.static_assert(QD % 64 == 0 and ROPE % 64 == 0 and not ATOMIC and not EXACT)
-            # (int64 words, a byte a segment: its scale's biased exponent; the fold loads a word at once)
-            e_bytes: tl.constexpr = 8 * ((W // 64 + 7) // 8)
+            tl.static_assert(QD % 64 == 0 and (ROPE == 0 or ROPE == 64) and not ATOMIC and not EXACT)
+            # (int64 words, a byte a segment: its scale's biased exponent, the score-only
+            # columns two segments of 32; the fold loads a word at once: backward.scale_words)
+            e_bytes: tl.constexpr = 8 * ((W // 64 + (ROPE > 0) + 7) // 8)
             e_row = EXP.to(tl.pointer_type(tl.uint8)) + ((pid_c * n_hb + pid_h) * K
                                                          + offs_k[None, :].to(tl.int64)) * e_bytes
             e_ptr = e_row + tl.arange(0, QD // 64)[:, None]
@@ -229,7 +231,7 @@ def _bwd_main_kernel(
         _dkv_quarter(p_mm, ds_sc, do3, q3, out_ptr + 3 * QD, out_mask, code, ATOMIC, EXACT, W,
                      e_ptr + 3 * (QD // 64) if P16 else None, P16)
         if ROPE > 0:
-            e_rope = e_row + D // 64 + tl.arange(0, ROPE // 64)[:, None] if P16 else None
+            e_rope = e_row + D // 64 + tl.arange(0, ROPE // 32)[:, None] if P16 else None
             _dkv_score_only(ds_sc, q_r, row_ptr + D + tl.arange(0, ROPE)[:, None], out_mask, code, ATOMIC,
                             EXACT, W, e_rope, P16)
 
