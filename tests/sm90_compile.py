@@ -257,19 +257,21 @@ def _compile_sm90(jit_fn, types, constexprs, num_warps, num_stages, div16, run_p
     return res
 
 
-def wgmma_register_bases(rows: bool = False) -> list:
-    """The register bases ([row, col] per register bit) of a [64, 64] fp32 wgmma accumulator
-    in this Gluon, as its linear layout states them (``hopper.red_f32x4_fake`` relies on them);
+def wgmma_register_bases(rows: bool = False, n: int = 64) -> list:
+    """The register bases ([row, col] per register bit) of a [64, ``n``] fp32 wgmma accumulator
+    (n = 64 or 32) in this Gluon, as its linear layout states them (``hopper.red_f32x4_fake``
+    relies on them);
     ``rows``: those of its row slice ([row] per bit; ``backward_gluon._row_pair`` relies on them)."""
-    from wgmma_layout_probe import print_wgmma_layout, print_wgmma_row_layout
+    from wgmma_layout_probe import print_wgmma_layout, print_wgmma_layout_n32, print_wgmma_row_layout
 
     buf = io.StringIO()
     saved = os.environ.get("TRITON_ALWAYS_COMPILE")
     os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # the print runs only when the front end does
     try:
         with contextlib.redirect_stdout(buf):
-            compile_sm90(print_wgmma_row_layout if rows else print_wgmma_layout, {}, {}, 4, 1,
-                         run_ptxas=False)
+            probe = (print_wgmma_row_layout if rows
+                     else print_wgmma_layout if n == 64 else print_wgmma_layout_n32)
+            compile_sm90(probe, {}, {}, 4, 1, run_ptxas=False)
     finally:
         if saved is None:
             del os.environ["TRITON_ALWAYS_COMPILE"]

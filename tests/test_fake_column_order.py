@@ -80,22 +80,24 @@ def _s32(v):
     return v - (1 << 32) if v >= 1 << 31 else v
 
 
-def _lines_instances(row_stride, masked, value, pack=16, group_bytes=64):
+def _lines_instances(row_stride, masked, value, pack=16, group_bytes=64, n=64):
     """The operands of every instance of a lines asm (``red_f32x4_lines``' layout, ``pack``
     = 16 registers of a thread; 8: the fake-order asm of ``st_f16x4_fake``) over the warps
-    of a [64, 64] wgmma accumulator: for each, one dict per lane with %laneid, the group
-    bases of slot rows ``row_stride`` bytes apart (a 16-column group ``group_bytes``: 64 in
-    fp32 rows, 32 in fp16 ones) at $pack.., the values ``value(row, col)`` at $2pack.. and
-    the ``on`` flags (0 for the rows in ``masked``) at $3pack..."""
-    reg_bases = wgmma_register_bases()
+    of a [64, ``n``] wgmma accumulator (n = 64 or 32): for each, one dict per lane with
+    %laneid, the group bases of slot rows ``row_stride`` bytes apart (a 16-column group
+    ``group_bytes``: 64 in fp32 rows, 32 in fp16 ones) at $pack.., the values
+    ``value(row, col)`` at $2pack.. and the ``on`` flags (0 for the rows in ``masked``) at
+    $3pack..."""
+    reg_bases = wgmma_register_bases(n=n)
+    n_regs = 2 ** len(reg_bases)
     for warp in range(4):
         wr, wc = _coord(WARP_BASES, warp)
         coords = []
         for lane in range(32):
             lr, lc = _coord(LANE_BASES, lane)
             coords.append([(wr ^ lr ^ rr, wc ^ lc ^ rc)
-                           for rr, rc in (_coord(reg_bases, i) for i in range(32))])
-        for p0 in range(0, 32, pack):  # one asm instance: registers p0..p0+pack-1
+                           for rr, rc in (_coord(reg_bases, i) for i in range(n_regs))])
+        for p0 in range(0, n_regs, pack):  # one asm instance: registers p0..p0+pack-1
             regs = []
             for lane in range(32):
                 r = {"%laneid": lane}
@@ -404,11 +406,13 @@ def test_evict_last_variant_differs_only_in_the_cache_policy():
     assert undo == base
 
 
-def test_16_bit_partial_row_stores_put_every_value_at_its_fake_column():
+@pytest.mark.parametrize("n", [64, 32])
+def test_16_bit_partial_row_stores_put_every_value_at_its_fake_column(n):
     """``hopper.st_f16x4_fake`` (the deterministic mode's 16-bit partial rows): its asm
     replayed for every lane of the wgmma accumulator layout puts each value, rounded to
     fp16, at ``fake_col`` of its column in its slot's fp16 row, 8 aligned bytes a store,
-    and stores nothing for a row whose ``on`` is 0."""
+    and stores nothing for a row whose ``on`` is 0. ``n`` = 32: a [64, 32] piece (the
+    576/512 layout's score-only half of a Gluon consumer)."""
     import struct
 
     from dsv4_sparse_attn.kernels import hopper
@@ -420,7 +424,7 @@ def test_16_bit_partial_row_stores_put_every_value_at_its_fake_column():
         return (row * 64 + col) / 7.0 - 300.0
 
     rows = {}
-    for regs in _lines_instances(row_bytes, masked, value, pack=8, group_bytes=32):
+    for regs in _lines_instances(row_bytes, masked, value, pack=8, group_bytes=32, n=n):
         for store in _run_ptx(stmts, regs):
             for _, addr, words in store:
                 assert addr % 8 == 0 and len(words) == 2
@@ -430,11 +434,11 @@ def test_16_bit_partial_row_stores_put_every_value_at_its_fake_column():
                         half = struct.unpack("<e", struct.pack("<H", w >> (16 * h) & 0xFFFF))[0]
                         rows[(row, off // 2 + 2 * k + h)] = half
     assert not any(r in masked for r, _ in rows)
-    want = fake_col(torch.arange(64)).tolist()
-    assert len(rows) == (64 - len(masked)) * 64
+    want = fake_col(torch.arange(n)).tolist()
+    assert len(rows) == (64 - len(masked)) * n
     for row in range(64):
         if row in masked:
             continue
-        for col in range(64):
+        for col in range(n):
             expect = struct.unpack("<e", struct.pack("<e", value(row, col)))[0]
             assert rows[(row, want[col])] == expect, (row, col)

@@ -506,6 +506,8 @@ def test_wgmma_accumulator_layout_is_what_the_reductions_assume():
     then columns 16 and 32. A Triton that orders them otherwise must fail here, not give
     wrong gradients."""
     assert wgmma_register_bases() == [[0, 1], [8, 0], [0, 8], [0, 16], [0, 32]]
+    # a [64, 32] one (the 576/512 layout's score-only halves): the same, without column 32
+    assert wgmma_register_bases(n=32) == [[0, 1], [8, 0], [0, 8], [0, 16]]
     # its row slice: a thread's two rows r, r + 8, in that order (backward_gluon._row_pair)
     assert wgmma_register_bases(rows=True) == [[8]]
 
