@@ -232,7 +232,7 @@ def _scaled(x, ew, ok, cols, D: tl.constexpr, TILE: tl.constexpr, P16: tl.conste
     words at ``ew`` is the scale's biased exponent, so the float is built from its bits.
     Segments of 64 columns, byte ``cols // 64``; with ``P16 == 2`` (rows with 64 score-only
     columns last: the Gluon kernel splits those between its two consumers) the last 64
-    columns are two segments of 32, bytes ``(D - 64) / 64`` and one more (``scale_bytes``).
+    columns are two segments of 32, bytes ``(D - 64) / 64`` and one more (``scale_words``).
     One word load (two past 8 segments) an entry and part, not a byte load a value: ``ew``
     is a scalar or, with ``TILE``, one pointer a row of the tile ([ROWS], loaded so and
     widened after: a [ROWS, 1] load would be repeated for each value a thread holds)."""

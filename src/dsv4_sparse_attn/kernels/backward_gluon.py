@@ -1047,13 +1047,15 @@ def _seg16(col, rope):
 
 @gluon.jit
 def _store_16(row_ptr, offs_d, acc, PARTIAL, EXP, SEG: gl.constexpr = -1):
-    """A [64 slots, 64 columns] piece to 16-bit partial rows
-    (docs/performance/backward.md#partial-rows-in-16-bits): each slot's 64
-    columns (one segment of its row) scaled by 2^-s so that their largest |value| lies in
-    [2^14, 2^15) (s in [-126, 126]; 0 for a zero segment), stored as fp16 in fake column
-    order (``st_f16x4_fake``), and s + 127 as the segment's byte of the scales
-    (``backward._scaled``: int64 words, a byte a segment; ``_scale_bytes``). The row's
-    maximum is a quad's: its 4 lanes hold the row's 64 columns (two shuffles)."""
+    """A [64 slots, 64 columns] piece (or [64, 32]: a consumer's half of the 576/512
+    layout's score-only columns) to 16-bit partial rows
+    (docs/performance/backward.md#partial-rows-in-16-bits): each slot's columns (one
+    segment of its row) scaled by 2^-s so that their largest |value| lies in [2^14, 2^15)
+    (s in [-126, 126]; 0 for a zero segment), stored as fp16 in fake column order
+    (``st_f16x4_fake``), and s + 127 as the segment's byte of the scales
+    (``backward._scaled``: int64 words, a byte a segment; ``_scale_bytes`` at D = 512,
+    else byte ``SEG`` of the row whose index ``EXP`` holds). The row's maximum is a
+    quad's: its 4 lanes hold the row's columns (two shuffles)."""
     big = gl.max(gl.abs(acc), axis=1)
     e = ((big.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2) of a normal max
     s = gl.where(big == 0.0, 0, gl.minimum(gl.maximum(e - 14, -126), 126))
