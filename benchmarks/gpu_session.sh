@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device-machine runs (results under $OUT), in parts that each fit a 10-minute call:
 #   bash benchmarks/gpu_session.sh tests   # GPU tests, opcheck on CUDA, training example
-#                                          # (TEST_SHARD=1/2, then 2/2: one call each)
+#                                          # (TEST_SHARD=1/3, 2/3, 3/3: one call each)
 #   bash benchmarks/gpu_session.sh bench   # compute-sanitizer memcheck, benchmark table, report
 #   bash benchmarks/gpu_session.sh sweep   # backward side by side (with cuDNN if CUDNN_DIR
 #                                          # holds cudnn_peer.py; default .peers/cudnn_dsa), report
@@ -73,7 +73,8 @@ tests)
   # (-n: the kernels compile in parallel worker processes; the GPU runs them one after another)
   # On a fresh machine the whole list takes more than one call (2026-12-03: 70% of it in
   # 400 s with -n 12): TEST_SHARD=i/n runs every n-th test from the i-th (1-based) of the
-  # collected list, opcheck and the example in shard 1 only.
+  # collected list, opcheck and the example in shard 1 only. Halves no longer fit a call
+  # (2026-12-06, H100: the first half cut at 397 of 399 by the 480 s limit, twice): thirds.
   files=(tests/test_kernels_gpu.py tests/test_compile.py tests/test_cuda_graphs.py tests/test_fsdp.py
          tests/test_checkpointing.py tests/test_modules.py tests/test_export.py)
   shard=${TEST_SHARD:-1/1}; i=${shard%/*}; n=${shard#*/}
