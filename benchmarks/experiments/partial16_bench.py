@@ -39,16 +39,14 @@ ROWS = [ROWS[int(i)] for i in os.environ.get("P16_ROWS", "0,1,3,4").split(",")]
 REPS = int(os.environ.get("P16_REPS", "2"))
 
 
-def with_setting(run, name, value):
-    """``run`` with ``backward``'s module setting ``name`` at ``value`` (``FOLD_RUNS``: the
-    fold cut by entry runs)."""
+def runs_fold(run):
+    """``run`` with the fold cut by entry runs (``backward.FOLD_RUNS``)."""
     def forced():
-        saved = getattr(kbwd, name)
-        setattr(kbwd, name, value)
+        saved, kbwd.FOLD_RUNS = kbwd.FOLD_RUNS, True
         try:
             return run()
         finally:
-            setattr(kbwd, name, saved)
+            kbwd.FOLD_RUNS = saved
     return forced
 
 
@@ -83,8 +81,8 @@ for T, H, K, ids in ROWS:
                                                   main=backward_gluon, deterministic=False),
     }
     # the fold cut by entry runs (the long contexts' fold) at these rows too
-    arms["triton_fp32_runs"] = with_setting(arms["triton_fp32"], "FOLD_RUNS", True)
-    arms["triton_16_runs"] = with_setting(arms["triton_16"], "FOLD_RUNS", True)
+    arms["triton_fp32_runs"] = runs_fold(arms["triton_fp32"])
+    arms["triton_16_runs"] = runs_fold(arms["triton_16"])
     if "P16_ARMS" in os.environ:
         arms = {k: v for k, v in arms.items() if k in os.environ["P16_ARMS"].split(",")}
     r = dict(T=T, H=H, K=K, D=D, ids=ids)

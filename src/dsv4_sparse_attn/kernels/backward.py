@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import exact_sums, l2_policy
-from .common import LOG2E, aligned16, cuda_properties, last_dim_contiguous, next_pow2
+from .common import LOG2E, aligned16, cuda_properties, last_dim_contiguous, next_pow2, scale_words
 
 # The deterministic mode's grad_kv sums where the main kernel has them: exact two-word sums
 # on per-row grids in one launch (exact_sums; True), or per-slot partial rows folded in a
@@ -158,13 +158,6 @@ def _bwd_delta_kernel(
     tl.store(DELTA + pid_t * H + offs_h, delta, mask=h_mask)
 
 
-def scale_words(D: int, rope: bool) -> int:
-    """int64 words of a 16-bit partial row's scales: a byte a 64-column segment, and with
-    ``rope`` (64 score-only columns last) those 64 columns as two segments of 32
-    (``_scaled``; the jit functions write the same expression out)."""
-    return (D // 64 + int(rope) + 7) // 8
-
-
 @triton.jit
 def _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.constexpr, D: tl.constexpr,
                 MASK_D: tl.constexpr, EXP=None, P16: tl.constexpr = False):
@@ -180,7 +173,7 @@ def _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.cons
         m = ok[:, None]
     ew = None
     if P16:  # (each row's scale words, one load a row, broadcast along it)
-        ew = _partial_row(EXP, entry, K, k_stride, N_HB, (D // 64 + (P16 == 2) + 7) // 8)
+        ew = _partial_row(EXP, entry, K, k_stride, N_HB, scale_words(D, P16 == 2))
     return _sum_parts(ptr, m, k_stride, N_HB, D, ew, ok, offs_d[None, :], P16, TILE=True)
 
 
@@ -221,7 +214,7 @@ def _sum_parts(ptr, m, k_stride, N_HB: tl.constexpr, D: tl.constexpr, ew=None, o
     for hb in tl.static_range(1, N_HB):
         y = tl.load(ptr + hb * k_stride * D, mask=m, other=0.0)
         if P16:
-            y = _scaled(y, ew + hb * k_stride * ((D // 64 + (P16 == 2) + 7) // 8), ok, cols, D, TILE, P16)
+            y = _scaled(y, ew + hb * k_stride * scale_words(D, P16 == 2), ok, cols, D, TILE, P16)
         x += y
     return x
 
@@ -236,7 +229,7 @@ def _scaled(x, ew, ok, cols, D: tl.constexpr, TILE: tl.constexpr, P16: tl.conste
     One word load (two past 8 segments) an entry and part, not a byte load a value: ``ew``
     is a scalar or, with ``TILE``, one pointer a row of the tile ([ROWS], loaded so and
     widened after: a [ROWS, 1] load would be repeated for each value a thread holds)."""
-    NW: tl.constexpr = (D // 64 + (P16 == 2) + 7) // 8  # (the words a row: a byte a segment)
+    NW: tl.constexpr = scale_words(D, P16 == 2)
     tl.static_assert(NW <= 2)
     b = cols // 64
     if P16 == 2:
@@ -396,7 +389,7 @@ def _run_entry(PARTIAL, ORDER, KEYS, ACC, e, e_hi, prev, K, k_stride, offs_d, d_
     ew = None
     cols = offs_d
     if P16:  # (the entry's scale words: one load, broadcast along the row)
-        ew = _partial_row(EXP, entry, K, k_stride, N_HB, (D // 64 + (P16 == 2) + 7) // 8)
+        ew = _partial_row(EXP, entry, K, k_stride, N_HB, scale_words(D, P16 == 2))
         cols = _runs_of_4(offs_d)
     x = _sum_parts(base + cols, m, k_stride, N_HB, D, ew, ok, offs_d, P16)
     st = ok & (r != prev)

@@ -1526,7 +1526,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     two-word sums into ``acc`` [N, 2 D] (``partial`` None; D = 512, ``exact_sums_ok``).
     ``partial_exp`` (``backward.sparse_mla_bwd(partial16=...)``): ``partial``
     is fp16 and this holds its rows' scales (int64 [n_tok, n_hb, partial_slots(K),
-    backward.scale_words(D, rope)]: a biased exponent byte a segment); D = d_v = 512 or the
+    common.scale_words(D, rope)]: a biased exponent byte a segment); D = d_v = 512 or the
     576/512 layout (its score-only columns two segments of 32, one a consumer); ``paired``
     false (16-bit rows take no head-block pairs)."""
     T, H, D = q.shape

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import head_block, interpreting, load_tile, slot_end, slot_rows, triton_rejects
+from .common import head_block, interpreting, load_tile, scale_words, slot_end, slot_rows, triton_rejects
 from .exact_sums import split_to_grid
 
 NAME = "triton"
@@ -65,7 +65,7 @@ def _store_16(part, ptr, eptr, mask, SEG: tl.constexpr = 64):
     C: tl.constexpr = part.shape[0]
     BK: tl.constexpr = part.shape[1]
     seg = tl.reshape(part, (C // SEG, SEG, BK))
-    big = tl.max(tl.abs(seg), axis=1)  # [C / 64, BLOCK_K]
+    big = tl.max(tl.abs(seg), axis=1)  # [C / SEG, BLOCK_K]
     e = ((big.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2) of a normal max
     s = tl.where(big == 0.0, 0, tl.minimum(tl.maximum(e - 14, -126), 126))
     inv = ((127 - s) << 23).to(tl.float32, bitcast=True)  # 2^-s, exact
@@ -218,8 +218,8 @@ def _bwd_main_kernel(
         if P16:  # each slot's 64-column segments' scales (a byte a segment)
             tl.static_assert(QD % 64 == 0 and (ROPE == 0 or ROPE == 64) and not ATOMIC and not EXACT)
             # (int64 words, a byte a segment: its scale's biased exponent, the score-only
-            # columns two segments of 32; the fold loads a word at once: backward.scale_words)
-            e_bytes: tl.constexpr = 8 * ((W // 64 + (ROPE > 0) + 7) // 8)
+            # columns two segments of 32; the fold loads a word at once)
+            e_bytes: tl.constexpr = 8 * scale_words(W, ROPE > 0)
             e_row = EXP.to(tl.pointer_type(tl.uint8)) + ((pid_c * n_hb + pid_h) * K
                                                          + offs_k[None, :].to(tl.int64)) * e_bytes
             e_ptr = e_row + tl.arange(0, QD // 64)[:, None]

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import constexpr_function
 
 LOG2E = 1.4426950408889634
 
@@ -56,6 +57,15 @@ class Call(NamedTuple):
 # Score-only columns after the values that the Triton kernels take (d_v = D - ROPE_D: the
 # DeepSeek-V3.2 / GLM-5 layout, 512 + 64).
 ROPE_D = 64
+
+
+@constexpr_function
+def scale_words(D: int, rope: bool) -> int:
+    """int64 words of a 16-bit partial row's scales (``backward._scaled``): a byte a
+    64-column segment, and with ``rope`` (64 score-only columns last) those 64 columns as
+    two segments of 32. (Host code and jit functions alike: a compile-time constant in the
+    latter.)"""
+    return (D // 64 + int(rope) + 7) // 8
 
 
 def triton_rejects(call: Call) -> str | None:

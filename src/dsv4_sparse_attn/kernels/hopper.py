@@ -42,27 +42,21 @@ CONSUMER_REGS = 232
 
 # The PTX of ``red_f32x4_fake`` (one instance: 8 registers of a thread; see its docstring)
 # and of ``st_f32x4_fake``, the same addressing with stores (plain, or streaming: ``.cs``).
-def _fake_addresses(lane_bytes: int) -> str:
-    """The fake-order asm's two addresses of a lane: its rows' group bases ($8: row r, $10:
-    row r + 8) plus ``lane_bytes`` x (lane % 4), in ``o`` and ``o8``."""
-    return f"""    mov.u32 l, %laneid;
-    and.b32 l, l, 3;
-    mul.wide.u32 o, l, {lane_bytes};
-    add.s64 o8, o, $10;
-    add.s64 o, o, $8;"""
-
-
 def _fake_ptx(regs: str, lane_bytes: int, body: str) -> str:
     """One instance of the fake-order asm: declarations ``regs`` beside the predicates and
-    offsets, the two rows' addresses (``_fake_addresses``) and their flags ($24, $26), then
-    ``body``, then the dummy outputs."""
+    offsets, the two rows' addresses (their group bases $8 and $10 plus ``lane_bytes`` x
+    (lane % 4)) and their flags ($24, $26), then ``body``, then the dummy outputs."""
     return f"""{{
     .reg .pred p, p8;
     .reg .b32 {regs};
     .reg .b64 o, o8;
     setp.ne.b32 p, $24, 0;
     setp.ne.b32 p8, $26, 0;
-{_fake_addresses(lane_bytes)}
+    mov.u32 l, %laneid;
+    and.b32 l, l, 3;
+    mul.wide.u32 o, l, {lane_bytes};
+    add.s64 o8, o, $10;
+    add.s64 o, o, $8;
 {body}
     mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
     mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
@@ -399,11 +393,11 @@ if gl is not None:
 
     @gluon.jit
     def st_f16x4_fake(group_base, acc, on):
-        """Store a [64, 64] fp32 piece rounded to fp16 in rows of fp16, in fake column order
-        (``red_f32x4_fake``'s order; ``group_base`` the byte address of a row's 16-column
-        group in the fp16 row), 8 bytes an instruction, streaming: the deterministic mode's
-        16-bit partial rows (the values already scaled: ``backward_gluon._store_16``). Rows
-        whose ``on`` is 0 are skipped."""
+        """Store a [64, 64] (or [64, 32]) fp32 piece rounded to fp16 in rows of fp16, in fake
+        column order (``red_f32x4_fake``'s order; ``group_base`` the byte address of a row's
+        16-column group in the fp16 row), 8 bytes an instruction, streaming: the
+        deterministic mode's 16-bit partial rows (the values already scaled:
+        ``backward_gluon._store_16``). Rows whose ``on`` is 0 are skipped."""
         return gl.inline_asm_elementwise(_ST16_PTX, _FAKE_CONSTRAINTS, [group_base, acc, on],
                                          dtype=gl.int32, is_pure=False, pack=8)
 
