@@ -1426,7 +1426,7 @@ def partial16_default(W: int, D: int) -> bool:
     D = d_v = 512, under a Triton they were timed with (``PARTIAL_16_TRITONS``). (With
     16-bit rows the head blocks do not pair; at H = 128 the two fp16 rows an entry took less
     time than one fp32 row: H100, 11.5 against 12.8 ms at K = 1152.)"""
-    return W == D == 512 and TRITON_VERSION in PARTIAL_16_TRITONS
+    return (W, D) in ((512, 512), (576, 512)) and TRITON_VERSION in PARTIAL_16_TRITONS
 
 
 def pairs_head_blocks(n_hb: int, deterministic: bool) -> bool:
