@@ -333,8 +333,8 @@ def test_gluon_backward_16_bit_partial_rows_compile_for_sm90(has_len, hp, rope):
     rows, the unsplit schedule, no head-block pairs) as the launcher builds it: no
     serialisation, no reload in the block loops, no reduction but the 576/512 layout's
     four a block into its dQ scratch (``rope``; its build without the pairs' code, with dQ
-    by TMA: ``_pairs_code``). Only where it is a default at D = 512
-    (``PARTIAL_16_TRITONS``; 3.6: 104-120 spill bytes outside the loops at D = 512, as the
+    by TMA: ``_pairs_code``). Only where it is a default (D = 512 and 576/512,
+    ``PARTIAL_16_TRITONS``; 3.6: 104-120 spill bytes outside the loops at D = 512, as the
     fp32 rows' build; 292 at 576)."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
 

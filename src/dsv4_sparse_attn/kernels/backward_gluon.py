@@ -1423,9 +1423,10 @@ PARTIAL_16_TRITONS = ((3, 6),)
 def partial16_default(W: int, D: int) -> bool:
     """Whether the deterministic mode's partial rows are 16-bit by default
     (``backward.PARTIAL_16``) for q width W and D value columns: where ``launch`` has them,
-    D = d_v = 512, under a Triton they were timed with (``PARTIAL_16_TRITONS``). (With
-    16-bit rows the head blocks do not pair; at H = 128 the two fp16 rows an entry took less
-    time than one fp32 row: H100, 11.5 against 12.8 ms at K = 1152.)"""
+    D = d_v = 512 and the 576/512 layout, under a Triton they were timed with
+    (``PARTIAL_16_TRITONS``). (With 16-bit rows the head blocks do not pair; at H = 128 the
+    two fp16 rows an entry took less time than one fp32 row: H100, 11.5 against 12.8 ms at
+    K = 1152, 15.5 against 15.9 at 576/512; at H = 64 and 576/512 19% less.)"""
     return (W, D) in ((512, 512), (576, 512)) and TRITON_VERSION in PARTIAL_16_TRITONS
 
 
