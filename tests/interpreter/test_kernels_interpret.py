@@ -58,10 +58,9 @@ def test_backward_without_grad_lse_interpreted():
 
 def test_v32_layout_deterministic_fold_interpreted(monkeypatch):
     """The 576/512 layout's deterministic backward: its fold runs one 1024-column program a
-    row (masked past column 576), one program of a 512-column block and a 64-column tail
-    (``FOLD_TAIL``), and 256-column ones where a program holds several rows (three a row,
-    the last masked): all cover the 576 columns once, against the float64 oracle, and give
-    the same bits, with fp32 and with 16-bit partial rows."""
+    row (masked past column 576), and 256-column ones where a program holds several rows
+    (three a row, the last masked): both cover all 576 columns once, against the float64
+    oracle, and give the same bits, with fp32 and with 16-bit partial rows."""
     from dsv4_sparse_attn.kernels import backward as kbwd
     from dsv4_sparse_attn.kernels import backward_triton
     from dsv4_sparse_attn.kernels import forward_triton as kfwd
@@ -77,14 +76,10 @@ def test_v32_layout_deterministic_fold_interpreted(monkeypatch):
     do = torch.randn(T, H, d_v).to(FP)
     rq, rkv, rs = oracle_bwd(do, None, q, kv, idx, sink, None, None, d_v)
     assert kbwd.fold_block_d(D) == 1024 and kbwd.fold_block_d(D, 4) == 256
-    monkeypatch.setattr(kbwd, "FOLD_TAIL", True)
-    assert kbwd.fold_columns(D) == (512, 64) and kbwd.fold_columns(D, 4) == (256, 0)
-    assert kbwd.fold_columns(512) == (512, 0) and kbwd.fold_columns(320) == (512, 0)
     for partial16 in (False, True):
         results = []
-        for tile, tail in (((1, 8, 4), False), ((1, 8, 4), True), ((1, 4, 4), True), ((4, 4, 4), False)):
+        for tile in ((1, 8, 4), (1, 4, 4), (4, 4, 4)):
             monkeypatch.setattr(kbwd, "fold_tile", lambda N, n_sm, tile=tile: tile)
-            monkeypatch.setattr(kbwd, "FOLD_TAIL", tail)
             gq, gkv, gs = kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
                                               main=backward_triton, deterministic=True, partial16=partial16)
             assert gkv.shape == (N, D)

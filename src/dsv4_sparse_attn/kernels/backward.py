@@ -97,11 +97,6 @@ FOLD_BLOCK_D = 512
 # take 206 registers there).
 FOLD_BLOCK_D_MASKED = 1024
 FOLD_BLOCK_D_MASKED_TILE = 256
-# With one kv row a program, D = 576 as a 512-column block and a 64-column tail side by side
-# (``fold_columns``): no masked lanes, where the 1024-column block decodes 16-bit rows on
-# 1024 lanes for 576 columns (H100, 16-bit rows at 576/512: the fold at 1.9-2.0 TB/s against
-# 2.6 at D = 512). The same adds per column, so the same bits.
-FOLD_TAIL = False
 
 # The fold cut by entries (``_dkv_fold_runs_kernel``) instead of by kv rows: None = where
 # ``fold_runs`` takes it (more than FOLD_RUNS_MIN_ROWS kv rows an SM: long contexts, where a
@@ -271,7 +266,7 @@ def _four_entries(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.co
 def _dkv_reduce_kernel(
     PARTIAL, ORDER, SEG, ACC, K, k_stride, N,
     D: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, MASK_D: tl.constexpr, ROWS: tl.constexpr,
-    UNROLL: tl.constexpr, EXP=None, P16: tl.constexpr = False, TAIL: tl.constexpr = 0,
+    UNROLL: tl.constexpr, EXP=None, P16: tl.constexpr = False,
 ):
     """acc[n] += row n's per-slot partials of this chunk, one after the other in sorted
     (token, slot) order: a sequential fold that continues from the previous chunks' sum,
@@ -288,12 +283,9 @@ def _dkv_reduce_kernel(
     T = 4096; docs/performance/backward.md#the-fold-at-long-contexts).
     N_HB, the head-block parts per partial row (1 or 2 in practice), is compile-time.
     ``P16`` (16-bit partial rows: their scales at ``EXP``, ``_scaled``): 1, or 2 where the
-    rows end in 64 score-only columns, scaled as two segments of 32. ``TAIL``: the columns
-    past BLOCK_D (D = BLOCK_D + TAIL, one program a row) as a second tile, folded next to
-    the first (``fold_columns``).
+    rows end in 64 score-only columns, scaled as two segments of 32.
     """
     tl.static_assert(UNROLL == 4 or UNROLL == 8)
-    tl.static_assert(TAIL == 0 or (D == BLOCK_D + TAIL and not MASK_D))
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D  # (BLOCK_D columns a program; D = 576 ends in a quarter-used block)
@@ -307,10 +299,6 @@ def _dkv_reduce_kernel(
             live = live & d_ok[None, :]
         acc_ptr = ACC + rows[:, None] * D + offs_d[None, :]
         acc = tl.load(acc_ptr, mask=live, other=0.0)
-        if TAIL:
-            offs_t = BLOCK_D + tl.arange(0, TAIL)
-            tail_ptr = ACC + rows[:, None] * D + offs_t[None, :]
-            acc_t = tl.load(tail_ptr, mask=live, other=0.0)
         for e0 in range(0, n_max, UNROLL):
             e = start + e0
             x0, x1, x2, x3 = _four_entries(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
@@ -318,13 +306,6 @@ def _dkv_reduce_kernel(
             if UNROLL == 8:
                 x4, x5, x6, x7 = _four_entries(PARTIAL, ORDER, e + 4, end, K, k_stride, offs_d, d_ok, N_HB, D,
                                                MASK_D, EXP, P16)
-            if TAIL:
-                t_ok = offs_t < D
-                t0, t1, t2, t3 = _four_entries(PARTIAL, ORDER, e, end, K, k_stride, offs_t, t_ok, N_HB, D,
-                                               False, EXP, P16)
-                if UNROLL == 8:
-                    t4, t5, t6, t7 = _four_entries(PARTIAL, ORDER, e + 4, end, K, k_stride, offs_t, t_ok,
-                                                   N_HB, D, False, EXP, P16)
             acc += x0
             acc += x1
             acc += x2
@@ -334,19 +315,7 @@ def _dkv_reduce_kernel(
                 acc += x5
                 acc += x6
                 acc += x7
-            if TAIL:
-                acc_t += t0
-                acc_t += t1
-                acc_t += t2
-                acc_t += t3
-                if UNROLL == 8:
-                    acc_t += t4
-                    acc_t += t5
-                    acc_t += t6
-                    acc_t += t7
         tl.store(acc_ptr, acc, mask=live)
-        if TAIL:
-            tl.store(tail_ptr, acc_t, mask=live)
 
 
 @triton.jit(do_not_specialize=["K", "k_stride", "N"])
@@ -603,16 +572,6 @@ def _epilogue_kernel(ACC, GRAD_KV, N, n_conv, SINK, LSE, DELTA, PART, GRAD_SINK,
                           stride_gt, stride_gh, D, DQ_BH)
 
 
-def fold_columns(D: int, rows: int = 1) -> tuple[int, int]:
-    """(BLOCK_D, TAIL) of the deterministic fold by rows: ``fold_block_d``'s block and no
-    tail, or, with one row a program and ``FOLD_TAIL``, a block of ``FOLD_BLOCK_D`` columns
-    and the power-of-two rest after it (D = 576: 512 + 64) in one program."""
-    tail = D - FOLD_BLOCK_D
-    if FOLD_TAIL and rows == 1 and 0 < tail < FOLD_BLOCK_D and tail == next_pow2(tail):
-        return FOLD_BLOCK_D, tail
-    return fold_block_d(D, rows), 0
-
-
 def fold_block_d(D: int, rows: int = 1) -> int:
     """Columns a program of the deterministic fold with ``rows`` kv rows a program
     (``fold_tile``): ``FOLD_BLOCK_D`` where D is a multiple, else ``FOLD_BLOCK_D_MASKED``
@@ -791,7 +750,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         n_flags = main.flags_per_chunk(chunk, n_hb)
         lengths = topk_length if topk_length is not None else indices
         rows_per_program, unroll, fold_warps = fold_tile(N, n_sm)
-        block_d, tail = fold_columns(D, rows_per_program)
+        block_d = fold_block_d(D, rows_per_program)
         runs = fold_runs(N, n_sm)
         runs_unroll, runs_warps, runs_per_sm, runs_preload = FOLD_RUNS_CONFIG
         runs_grid = max(1, n_sm) * runs_per_sm
@@ -821,11 +780,10 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                         D=D, BLOCK_D=next_pow2(D), N_HB=n_part, UNROLL=runs_unroll, PRELOAD=runs_preload,
                         num_warps=runs_warps, **fold16)
                     continue
-                col_programs = 1 if tail else triton.cdiv(D, block_d)
-                _dkv_reduce_kernel[(triton.cdiv(N, rows_per_program), col_programs)](
+                _dkv_reduce_kernel[(triton.cdiv(N, rows_per_program), triton.cdiv(D, block_d))](
                     partial, order[c], seg[c], acc, K, k_stride, N,
-                    D=D, BLOCK_D=block_d, N_HB=n_part, MASK_D=D % block_d != 0 and not tail,
-                    ROWS=rows_per_program, UNROLL=unroll, TAIL=tail,
+                    D=D, BLOCK_D=block_d, N_HB=n_part, MASK_D=D % block_d != 0, ROWS=rows_per_program,
+                    UNROLL=unroll,
                     num_warps=fold_warps, **fold16,
                 )
 
