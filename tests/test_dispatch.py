@@ -177,6 +177,19 @@ def test_gluon_backward_dkv_products_contract_over_the_heads_a_tile_holds(monkey
             backward_gluon._head_pad(H, bad)
 
 
+@pytest.mark.parametrize("W, D, H, want", [(512, 512, 16, True), (512, 512, 128, True), (576, 512, 128, True),
+                                           (576, 512, 33, True), (576, 512, 32, False), (576, 512, 16, False),
+                                           (320, 256, 64, False), (576, 576, 64, False)])
+def test_gluon_backward_16_bit_rows_by_default_where_measured(monkeypatch, W, D, H, want):
+    """``partial16_default``: 16-bit partial rows at D = 512, and at the 576/512 layout where
+    its tiles hold 64 heads (the tiles timed and run on the GPU), under the Tritons they were
+    timed with; fp32 rows elsewhere."""
+    monkeypatch.setattr(backward_gluon, "TRITON_VERSION", (3, 6))
+    assert backward_gluon.partial16_default(W, D, H) is want
+    monkeypatch.setattr(backward_gluon, "TRITON_VERSION", (3, 9))
+    assert backward_gluon.partial16_default(W, D, H) is False
+
+
 def test_gluon_backward_transposes_small_head_tiles_in_the_fast_split_schedules(monkeypatch):
     """``_transposed``: the fast mode's split schedules at D = 512 transpose a tile of 16 or 32
     heads (measured under Triton 3.6: 3.1-6.0% less time than ``HEAD_PAD`` alone, so on there);

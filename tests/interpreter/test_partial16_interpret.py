@@ -144,9 +144,9 @@ _DEFAULT_CASES = [(True, True, True, torch.float16), (False, True, True, torch.f
 def test_16_bit_rows_are_the_default_where_the_main_kernel_says(monkeypatch, flag, default, deterministic,
                                                                 want):
     """``sparse_mla_bwd(partial16=None)`` takes 16-bit rows where ``backward.PARTIAL_16`` is on
-    and the main kernel's ``partial16_default`` says so (the Gluon kernel at D = 512 and
-    576/512), fp32 rows otherwise, and none in the fast mode: the rows the main kernel is
-    handed."""
+    and the main kernel's ``partial16_default`` says so (the Gluon kernel at D = 512, and at
+    576/512 with more than 32 heads), fp32 rows otherwise, and none in the fast mode: the
+    rows the main kernel is handed."""
     import types
 
     from dsv4_sparse_attn.kernels import backward as kbwd
@@ -161,7 +161,7 @@ def test_16_bit_rows_are_the_default_where_the_main_kernel_says(monkeypatch, fla
     main = types.SimpleNamespace(**{k: getattr(backward_triton, k) for k in dir(backward_triton)
                                     if not k.startswith("__")})
     main.launch = launch
-    main.partial16_default = lambda W, D: default
+    main.partial16_default = lambda W, D, H: default
     monkeypatch.setattr(kbwd, "PARTIAL_16", flag)
     torch.manual_seed(0)
     q, kv = torch.randn(3, 2, 256).half(), torch.randn(10, 256).half()  # (D / 4 a multiple of 64)

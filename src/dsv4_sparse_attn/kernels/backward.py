@@ -45,8 +45,9 @@ EXACT_SUMS = False
 # The deterministic mode's partial rows in 16 bits (fp16, a power-of-two scale a 64-column
 # segment; the fold decodes them exactly and sums in fp32, in the same fixed order) where the
 # main kernel takes them by default (its ``partial16_default``: the Gluon kernel at D = d_v =
-# 512 and at the 576/512 layout). H100, Triton 3.6, 6c434da: 19-30% less time than fp32
-# rows (H16-H128, T = 4096 to 131072; 576/512 at a6ce034: 19% at H = 64, 1-4% at H = 128),
+# 512 and at the 576/512 layout with more than 32 heads). H100, Triton 3.6, 6c434da: 19-30%
+# less time than fp32 rows (H16-H128, T = 4096 to 131072; 576/512 at a6ce034: 19% at
+# H = 64, 1-4% at H = 128),
 # grad_kv within 8.7e-4 of the fp32 rows' (its own bf16 rounding is 1.7e-3)
 # (docs/performance/backward.md#partial-rows-in-16-bits).
 PARTIAL_16 = True
@@ -665,7 +666,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     one_launch = not deterministic or exact  # (the whole of T in one main launch, no partial rows)
     if partial16 is None:
         default = getattr(main, "partial16_default", None)
-        partial16 = bool(PARTIAL_16 and not one_launch and default and default(D, grad_out.shape[-1]))
+        partial16 = bool(PARTIAL_16 and not one_launch and default and default(D, grad_out.shape[-1], H))
     if partial16 and (one_launch or not getattr(main, "PARTIAL_16", False) or D % 64):
         raise ValueError(f"16-bit partial rows: the deterministic mode's partial rows with a main kernel "
                          f"that has them, at D a multiple of 64 (here {main.NAME}, D = {D})")
