@@ -47,9 +47,8 @@ EXACT_SUMS = False
 # main kernel takes them by default (its ``partial16_default``: the Gluon kernel at D = d_v =
 # 512 and at the 576/512 layout with more than 32 heads). H100, Triton 3.6, 6c434da: 19-30%
 # less time than fp32 rows (H16-H128, T = 4096 to 131072; 576/512 at a6ce034: 19% at
-# H = 64, 1-4% at H = 128),
-# grad_kv within 8.7e-4 of the fp32 rows' (its own bf16 rounding is 1.7e-3)
-# (docs/performance/backward.md#partial-rows-in-16-bits).
+# H = 64, 1-4% at H = 128), grad_kv within 8.7e-4 of the fp32 rows' (its own bf16 rounding
+# is 1.7e-3) (docs/performance/backward.md#partial-rows-in-16-bits).
 PARTIAL_16 = True
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
