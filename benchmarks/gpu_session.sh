@@ -261,7 +261,8 @@ for name, s in (('default stream', torch.cuda.current_stream()), ('created strea
 partial16)
   # The prototype of 16-bit partial rows: its GPU tests, then partial16_bench.py (the
   # deterministic backward's main kernel and fold with fp32 and 16-bit rows). About 5 minutes.
-  timeout 200 python3 -m pytest -q -x -n 3 -p no:cacheprovider tests/test_kernels_gpu.py -k 16_bit 2>&1 \
+  # (P16_TESTS: another -k expression, e.g. "16_bit and 576")
+  timeout 200 python3 -m pytest -q -x -n 3 -p no:cacheprovider tests/test_kernels_gpu.py -k "${P16_TESTS:-16_bit}" 2>&1 \
     | tail -6 | tee "$OUT/partial16_tests.log"
   tests_passed "$OUT/partial16_tests.log" && PYTHONPATH=$PYTHONPATH:$PWD/benchmarks/experiments timeout 330 \
     python3 benchmarks/experiments/partial16_bench.py 2>&1 | tee "$OUT/partial16.jsonl"

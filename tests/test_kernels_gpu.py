@@ -388,14 +388,15 @@ def test_deterministic_backward_with_16_bit_partial_rows(case, gluon):
 
 
 @pytest.mark.parametrize("H, D, lengths", [(64, 512, False), (128, 512, True), (16, 512, False),
-                                           (64, 576, True), (128, 576, False)])
+                                           (64, 576, True), (128, 576, False), (16, 576, False),
+                                           (32, 576, True)])
 @pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
 def test_16_bit_partial_rows_give_the_same_bits_for_any_chunks(monkeypatch, gluon, H, D, lengths):
     """16-bit partial rows: the same bits run to run and for chunks of 300 and of 70 tokens;
     grad_q and grad_sink those of the fp32 rows (the rows do not enter them) and grad_kv
     within fp16's rounding of each row of them. D = 576: the 576/512 layout (its score-only
     columns two 32-column segments, one a Gluon consumer), also against the float64
-    oracle."""
+    oracle; there H = 16 and 32 run the layout's 16- and 32-head tiles."""
     from helpers import relerr
 
     monkeypatch.setattr(kbwd, "EXACT_SUMS", False)
