@@ -178,12 +178,11 @@ def test_gluon_backward_dkv_products_contract_over_the_heads_a_tile_holds(monkey
 
 
 @pytest.mark.parametrize("W, D, H, want", [(512, 512, 16, True), (512, 512, 128, True), (576, 512, 128, True),
-                                           (576, 512, 33, True), (576, 512, 32, False), (576, 512, 16, False),
+                                           (576, 512, 33, True), (576, 512, 32, True), (576, 512, 16, True),
                                            (320, 256, 64, False), (576, 576, 64, False)])
 def test_gluon_backward_16_bit_rows_by_default_where_measured(monkeypatch, W, D, H, want):
-    """``partial16_default``: 16-bit partial rows at D = 512, and at the 576/512 layout where
-    its tiles hold 64 heads (the tiles timed and run on the GPU), under the Tritons they were
-    timed with; fp32 rows elsewhere."""
+    """``partial16_default``: 16-bit partial rows at D = 512 and at the 576/512 layout (every
+    tile: 16, 32 and 64 heads), under the Tritons they were timed with; fp32 rows elsewhere."""
     monkeypatch.setattr(backward_gluon, "TRITON_VERSION", (3, 6))
     assert backward_gluon.partial16_default(W, D, H) is want
     monkeypatch.setattr(backward_gluon, "TRITON_VERSION", (3, 9))

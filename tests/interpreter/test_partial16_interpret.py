@@ -144,8 +144,8 @@ _DEFAULT_CASES = [(True, True, True, torch.float16), (False, True, True, torch.f
 def test_16_bit_rows_are_the_default_where_the_main_kernel_says(monkeypatch, flag, default, deterministic,
                                                                 want):
     """``sparse_mla_bwd(partial16=None)`` takes 16-bit rows where ``backward.PARTIAL_16`` is on
-    and the main kernel's ``partial16_default`` says so (the Gluon kernel at D = 512, and at
-    576/512 with more than 32 heads), fp32 rows otherwise, and none in the fast mode: the
+    and the main kernel's ``partial16_default`` says so (the Gluon kernel at D = 512 and at
+    576/512), fp32 rows otherwise, and none in the fast mode: the
     rows the main kernel is handed."""
     import types
 

@@ -1423,16 +1423,14 @@ PARTIAL_16_TRITONS = ((3, 6),)
 def partial16_default(W: int, D: int, H: int = BLOCK_H) -> bool:
     """Whether the deterministic mode's partial rows are 16-bit by default
     (``backward.PARTIAL_16``) for q width W, D value columns and H heads: where ``launch``
-    has them, D = d_v = 512 and the 576/512 layout, under a Triton they were timed with
-    (``PARTIAL_16_TRITONS``). At 576/512 only where a tile holds more than 32 heads (its
-    dKV products contract over 64: ``_head_pad``), the tiles they were timed and run on
-    the GPU with; the 16- and 32-head builds compile clean (sm_90) but have not run there.
-    (With 16-bit rows the head blocks do not pair; at H = 128 the two fp16 rows an entry
-    took less time than one fp32 row: H100, 11.5 against 12.8 ms at K = 1152, 15.5 against
-    15.9 at 576/512; at H = 64 and 576/512 19% less.)"""
+    has them, D = d_v = 512 and the 576/512 layout at any H, under a Triton they were timed
+    with (``PARTIAL_16_TRITONS``). (With 16-bit rows the head blocks do not pair; at
+    H = 128 the two fp16 rows an entry took less time than one fp32 row: H100, 11.5
+    against 12.8 ms at K = 1152, 15.5 against 15.9 at 576/512; at 576/512 19% less at
+    H = 64 and 23-24% at H = 16 and 32, K = 1152.)"""
     if TRITON_VERSION not in PARTIAL_16_TRITONS:
         return False
-    return (W, D) == (512, 512) or ((W, D) == (576, 512) and _head_pad(H) == BLOCK_H)
+    return (W, D) in ((512, 512), (576, 512))
 
 
 def pairs_head_blocks(n_hb: int, deterministic: bool) -> bool:
