@@ -4,10 +4,10 @@
 
 T=37 tokens, N=50 kv rows, K=77 slots with ids drawn from [-N, 2N), a column of 2**31 - 1, one
 of -2**31 and a token whose ids are all -1; H in (128, 100, 16) at D=512, H=5 at D=128 and the
-576/512 layout (``d_v=512``) at H=64 and 128; per-token lengths drawn from [-2, K + 3] at H=100
-and in the 576/512 cases. Every forward kernel ("gluon_sm90", "triton") and, in both backward
-modes, every backward main kernel that takes the call runs it (``use_kernels``); the outputs
-must be finite. The sanitizer reports any out-of-bounds access.
+576/512 layout (``d_v=512``) at H=64, 128 and 24 (a 32-head tile); per-token lengths drawn
+from [-2, K + 3] at H=100 and in the 576/512 cases. Every forward kernel ("gluon_sm90",
+"triton") and, in both backward modes, every backward main kernel that takes the call runs
+it (``use_kernels``); the outputs must be finite. The sanitizer reports any out-of-bounds access.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from bench import backward_mode, rejection, require_cuda
 
 KERNELS = ("gluon_sm90", "triton")
 CASES = ((128, 512, None, False), (100, 512, None, True), (16, 512, None, False), (5, 128, None, False),
-         (64, 576, 512, True), (128, 576, 512, True))  # (H, D, d_v, per-token lengths)
+         (64, 576, 512, True), (128, 576, 512, True), (24, 576, 512, True))  # (H, D, d_v, per-token lengths)
 
 
 def main():
