@@ -109,7 +109,9 @@ sweep)
     CUDNN=(--cudnn "$CUDNN_DIR")
     export PYTHONPATH=/tmp/cudnn_site:$PYTHONPATH  # apache-tvm-ffi, installed there by install.sh
   fi
-  timeout 480 python3 benchmarks/bench.py --backward-sweep ${CUDNN[@]+"${CUDNN[@]}"} --out "$OUT/bench_sweep.md" 2>&1 \
+  # (SWEEP_ARGS: more of bench.py's options, e.g. "--T 4096" for the T = 4096 rows alone)
+  timeout ${SWEEP_TIMEOUT:-480} python3 benchmarks/bench.py --backward-sweep ${CUDNN[@]+"${CUDNN[@]}"} ${SWEEP_ARGS:-} \
+    --out "$OUT/bench_sweep.md" 2>&1 \
     | tee "$OUT/bench_sweep.log" | grep -v '^{'
   report
   ;;
