@@ -19,6 +19,8 @@ Arms (``backward_gluon.launch`` overrides; "fast" and "det" are whatever this Tr
   det_split1   deterministic, one head block, K >= 512, split 1 (3.6 / 3.8 default)
   det_pairs    deterministic, one head block, its build with the head-block pairs' code
                (``pairs_code=True``: 3.9's build before 2026-12-05; the same build elsewhere)
+  det_16       deterministic with 16-bit partial rows, where this Triton's default is fp32
+               rows (3.6 takes them by default: ``backward_gluon.partial16_default``)
   det_nopairs  the same without that code (``pairs_code=False``: 3.9's build; under 3.6,
                split 1 with dQ by TMA, a block loop of 1514 instructions instead of 2081,
                no reload either way: predicted faster where the loop's issue bounds it)
@@ -84,13 +86,23 @@ for T, H, K in shapes:
     if H <= 64:  # the head-block pairs' code kept (the build before it was left out under 3.9)
         det["det_pairs"] = dict(pairs_code=True)
         det["det_nopairs"] = dict(pairs_code=False)
+    # 16-bit partial rows where this Triton's default is fp32 rows (``partial16_default``):
+    # other bits in grad_kv (within fp16's rounding of each row), the same grad_q and grad_sink
+    rows16 = not backward_gluon.partial16_default(D, D, H)
+    if rows16:
+        det["det_16"] = dict(partial16=True)
     if os.environ.get("ARMS"):  # ARMS="fast,det,det_nopairs": only these arms
         keep = set(os.environ["ARMS"].split(","))
         fast = {k: v for k, v in fast.items() if k in keep | {"fast"}}
         det = {k: v for k, v in det.items() if k in keep | {"det"}}
     ref = run(True)
     for name, kw in det.items():
-        if kw:
+        if name == "det_16":
+            got = run(True, **kw)
+            r["det_16_err_dkv"] = relerr(got[1].float(), ref[1].float())
+            r["det_16_dq_dsink_equal"] = torch.equal(got[0], ref[0]) and torch.equal(got[2], ref[2])
+            r["det_16_bitwise_rerun"] = all(torch.equal(a, b) for a, b in zip(got, run(True, **kw)))
+        elif kw:
             r[f"{name}_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(ref, run(True, **kw)))
     for name, kw in fast.items():
         got = run(False, **kw)
