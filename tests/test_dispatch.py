@@ -182,11 +182,15 @@ def test_gluon_backward_dkv_products_contract_over_the_heads_a_tile_holds(monkey
                                            (320, 256, 64, False), (576, 576, 64, False)])
 def test_gluon_backward_16_bit_rows_by_default_where_measured(monkeypatch, W, D, H, want):
     """``partial16_default``: 16-bit partial rows at D = 512 and at the 576/512 layout (every
-    tile: 16, 32 and 64 heads), under the Tritons they were timed with; fp32 rows elsewhere."""
+    tile: 16, 32 and 64 heads) under Triton 3.6, at D = 512 alone under 3.9 (where they were
+    timed); fp32 rows elsewhere and under the Tritons not timed (3.7, 3.8)."""
     monkeypatch.setattr(backward_gluon, "TRITON_VERSION", (3, 6))
     assert backward_gluon.partial16_default(W, D, H) is want
     monkeypatch.setattr(backward_gluon, "TRITON_VERSION", (3, 9))
-    assert backward_gluon.partial16_default(W, D, H) is False
+    assert backward_gluon.partial16_default(W, D, H) is (want and (W, D) == (512, 512))
+    for untimed in ((3, 7), (3, 8)):
+        monkeypatch.setattr(backward_gluon, "TRITON_VERSION", untimed)
+        assert backward_gluon.partial16_default(W, D, H) is False
 
 
 def test_gluon_backward_transposes_small_head_tiles_in_the_fast_split_schedules(monkeypatch):

@@ -331,21 +331,24 @@ def test_gluon_backward_split_roles_compiles_for_sm90(red, has_len, split):
 def test_gluon_backward_16_bit_partial_rows_compile_for_sm90(has_len, hp, rope):
     """The deterministic build with 16-bit partial rows (``launch(partial_exp=...)``: fp16
     rows, the unsplit schedule, no head-block pairs) as the launcher builds it: no
-    serialisation, no reload in the block loops, no reduction but the 576/512 layout's
-    four a block into its dQ scratch (``rope``; its build without the pairs' code, with dQ
-    by TMA: ``_pairs_code``). Only where it is a default (D = 512 and 576/512,
-    ``PARTIAL_16_TRITONS``; 3.6: 104-120 spill bytes outside the loops at D = 512, as the
+    serialisation, no reload in the block loops (3.9: one, as timed), no reduction but the
+    576/512 layout's four a block into its dQ scratch (``rope``; its build without the
+    pairs' code, with dQ by TMA: ``_pairs_code``). Only where it is a default
+    (``PARTIAL_16_LAYOUTS``; 3.6: 104-120 spill bytes outside the loops at D = 512, as the
     fp32 rows' build; 292 at 576)."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
 
-    if not G.partial16_default(512, 512):
-        pytest.skip(f"16-bit partial rows are not a default under Triton {G.TRITON_VERSION}")
+    if not G.partial16_default(512 + rope, 512):
+        pytest.skip(f"16-bit partial rows are not a default at D = {512 + rope} "
+                    f"under Triton {G.TRITON_VERSION}")
     dq_tma = bool(G.DQ_TMA_ROPE if rope else G.DQ_TMA)
     r = compile_backward_gluon(red=False, split=0, p16=True, has_len=has_len, hp=hp, dq_tma=dq_tma, rope=rope)
     assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
     assert r["spill_bytes"] <= 1024, r
     assert len(r["mma_loops"]) == 2, r["mma_loops"]
-    assert all(lp["LDL"] == 0 and lp["REDG4"] == (4 if rope else 0) for lp in r["mma_loops"]), r["mma_loops"]
+    reloads = 1 if G.TRITON_VERSION >= (3, 9) else 0  # (3.9's build at D = 512: one a loop, timed so)
+    assert all(lp["LDL"] <= reloads and lp["REDG4"] == (4 if rope else 0)
+               for lp in r["mma_loops"]), r["mma_loops"]
 
 
 @pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])

@@ -1416,21 +1416,22 @@ def partial_slots(K: int) -> int:
     return triton.cdiv(K, BLOCK_K) * BLOCK_K
 
 
-# 16-bit partial rows by default under the Tritons they were timed with (3.6, 2026-12-06)
-PARTIAL_16_TRITONS = ((3, 6),)
+# 16-bit partial rows by default where they were timed, by Triton: the (q width, value
+# columns) layouts. H100, 2026-12-06: under 3.6 at D = 512 and 576/512 (19-30% and 1-24%
+# less deterministic time); under 3.9 at D = 512 (13-30% less), not at 576/512 (14% less at
+# H = 64, 4% more at H = 128, where 3.9's 16-bit main kernel is slower).
+PARTIAL_16_LAYOUTS = {(3, 6): ((512, 512), (576, 512)), (3, 9): ((512, 512),)}
 
 
 def partial16_default(W: int, D: int, H: int = BLOCK_H) -> bool:
     """Whether the deterministic mode's partial rows are 16-bit by default
     (``backward.PARTIAL_16``) for q width W, D value columns and H heads: where ``launch``
-    has them, D = d_v = 512 and the 576/512 layout at any H, under a Triton they were timed
-    with (``PARTIAL_16_TRITONS``). (With 16-bit rows the head blocks do not pair; at
-    H = 128 the two fp16 rows an entry took less time than one fp32 row: H100, 11.5
-    against 12.8 ms at K = 1152, 15.5 against 15.9 at 576/512; at 576/512 19% less at
-    H = 64 and 23-24% at H = 16 and 32, K = 1152.)"""
-    if TRITON_VERSION not in PARTIAL_16_TRITONS:
-        return False
-    return (W, D) in ((512, 512), (576, 512))
+    has them and they were timed under the running Triton (``PARTIAL_16_LAYOUTS``: D = d_v =
+    512 and the 576/512 layout under 3.6, D = 512 under 3.9), at any H. (With 16-bit rows
+    the head blocks do not pair; at H = 128 the two fp16 rows an entry took less time than
+    one fp32 row: H100, 11.5 against 12.8 ms at K = 1152, 15.5 against 15.9 at 576/512; at
+    576/512 19% less at H = 64 and 23-24% at H = 16 and 32, K = 1152.)"""
+    return (W, D) in PARTIAL_16_LAYOUTS.get(TRITON_VERSION, ())
 
 
 def pairs_head_blocks(n_hb: int, deterministic: bool) -> bool:
