@@ -45,10 +45,11 @@ EXACT_SUMS = False
 # The deterministic mode's partial rows in 16 bits (fp16, a power-of-two scale a 64-column
 # segment; the fold decodes them exactly and sums in fp32, in the same fixed order) where the
 # main kernel takes them by default (its ``partial16_default``: the Gluon kernel at D = d_v =
-# 512 and at the 576/512 layout). H100, Triton 3.6, 6c434da: 19-30% less time than fp32 rows
-# (H16-H128, T = 4096 to 131072; 576/512 at a6ce034 and 6c93a65: 23-24% at H = 16 and 32,
-# 19% at H = 64, 1-4% at H = 128), grad_kv within 8.7e-4 of the fp32 rows' (its own bf16
-# rounding is 1.7e-3) (docs/performance/backward.md#partial-rows-in-16-bits).
+# 512 and at the 576/512 layout, where timed under the running Triton). H100, Triton 3.6,
+# 6c434da: 19-30% less time than fp32 rows (H16-H128, T = 4096 to 131072; 576/512 at
+# a6ce034 and 6c93a65: 23-24% at H = 16 and 32, 19% at H = 64, 1-4% at H = 128), grad_kv
+# within 8.7e-4 of the fp32 rows' (its own bf16 rounding is 1.7e-3)
+# (docs/performance/backward.md#partial-rows-in-16-bits).
 PARTIAL_16 = True
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
