@@ -326,7 +326,8 @@ def test_gluon_backward_split_roles_compiles_for_sm90(red, has_len, split):
         assert all(lp["STG"] == 128 for lp in r["mma_loops"]), r["mma_loops"]
 
 
-@pytest.mark.parametrize("hp, rope", [(64, 0), (16, 0), (64, 64)], ids=["h64", "h16", "v32"])
+@pytest.mark.parametrize("hp, rope", [(64, 0), (16, 0), (64, 64), (16, 64)],
+                         ids=["h64", "h16", "v32", "v32-h16"])
 @pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])
 def test_gluon_backward_16_bit_partial_rows_compile_for_sm90(has_len, hp, rope):
     """The deterministic build with 16-bit partial rows (``launch(partial_exp=...)``: fp16
