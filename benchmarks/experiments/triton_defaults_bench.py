@@ -88,8 +88,7 @@ for T, H, K in shapes:
         det["det_nopairs"] = dict(pairs_code=False)
     # 16-bit partial rows where this Triton's default is fp32 rows (``partial16_default``):
     # other bits in grad_kv (within fp16's rounding of each row), the same grad_q and grad_sink
-    rows16 = not backward_gluon.partial16_default(D, D, H)
-    if rows16:
+    if not backward_gluon.partial16_default(D, D):
         det["det_16"] = dict(partial16=True)
     if os.environ.get("ARMS"):  # ARMS="fast,det,det_nopairs": only these arms
         keep = set(os.environ["ARMS"].split(","))

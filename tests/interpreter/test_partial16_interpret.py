@@ -161,7 +161,7 @@ def test_16_bit_rows_are_the_default_where_the_main_kernel_says(monkeypatch, fla
     main = types.SimpleNamespace(**{k: getattr(backward_triton, k) for k in dir(backward_triton)
                                     if not k.startswith("__")})
     main.launch = launch
-    main.partial16_default = lambda W, D, H: default
+    main.partial16_default = lambda W, D: default
     monkeypatch.setattr(kbwd, "PARTIAL_16", flag)
     torch.manual_seed(0)
     q, kv = torch.randn(3, 2, 256).half(), torch.randn(10, 256).half()  # (D / 4 a multiple of 64)

@@ -666,7 +666,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     one_launch = not deterministic or exact  # (the whole of T in one main launch, no partial rows)
     if partial16 is None:
         default = getattr(main, "partial16_default", None)
-        partial16 = bool(PARTIAL_16 and not one_launch and default and default(D, grad_out.shape[-1], H))
+        partial16 = bool(PARTIAL_16 and not one_launch and default and default(D, grad_out.shape[-1]))
     if partial16 and (one_launch or not getattr(main, "PARTIAL_16", False) or D % 64):
         raise ValueError(f"16-bit partial rows: the deterministic mode's partial rows with a main kernel "
                          f"that has them, at D a multiple of 64 (here {main.NAME}, D = {D})")

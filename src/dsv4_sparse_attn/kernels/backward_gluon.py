@@ -1423,9 +1423,9 @@ def partial_slots(K: int) -> int:
 PARTIAL_16_LAYOUTS = {(3, 6): ((512, 512), (576, 512)), (3, 9): ((512, 512),)}
 
 
-def partial16_default(W: int, D: int, H: int = BLOCK_H) -> bool:
+def partial16_default(W: int, D: int) -> bool:
     """Whether the deterministic mode's partial rows are 16-bit by default
-    (``backward.PARTIAL_16``) for q width W, D value columns and H heads: where ``launch``
+    (``backward.PARTIAL_16``) for q width W and D value columns: where ``launch``
     has them and they were timed under the running Triton (``PARTIAL_16_LAYOUTS``: D = d_v =
     512 and the 576/512 layout under 3.6, D = 512 under 3.9), at any H. (With 16-bit rows
     the head blocks do not pair; at H = 128 the two fp16 rows an entry took less time than
