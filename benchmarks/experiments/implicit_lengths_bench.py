@@ -26,12 +26,73 @@ import os
 import torch
 import triton
 
+import triton.language as tl
+from torch.profiler import ProfilerActivity, profile
+
 import dsv4_sparse_attn
+from dsv4_sparse_attn.kernels import backward_gluon, forward_gluon
 from side_by_side import pool_inputs, relerr
 
 ROWS = [(4096, 64, 640, "causal"), (4096, 128, 1152, "causal"), (4096, 64, 640, "distinct"),
         (4096, 128, 1152, "distinct"), (4096, 64, 160, "random"), (131072, 64, 640, "causal")]
-ROWS = [ROWS[int(i)] for i in os.environ.get("EFF_ROWS", "0,1,2,3,4,5").split(",")]
+ROWS = [ROWS[int(i)] for i in os.environ.get("EFF_ROWS", "0,1,2,3,4").split(",")]
+# EFF_ARMS: "len" (the lengths' balanced order) and / or "inorder" (the tokens in their order)
+ARMS = os.environ.get("EFF_ARMS", "inorder,len").split(",")
+
+
+@triton.jit
+def _trailing_length_kernel(IDX, OUT, T, K, N, stride_t, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    best = tl.zeros([BLOCK_T], tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        m = (t[:, None] < T) & (k[None, :] < K)
+        ids = tl.load(IDX + t[:, None].to(tl.int64) * stride_t + k[None, :], mask=m, other=-1)
+        ok = m & (ids >= 0) & (ids < N)
+        best = tl.maximum(best, tl.max(tl.where(ok, k[None, :] + 1, 0), axis=1))
+    tl.store(OUT + t, best, mask=t < T)
+
+
+def trailing_length_kernel(idx, N):
+    T, K = idx.shape
+    out = torch.empty(T, dtype=torch.int32, device=idx.device)
+    _trailing_length_kernel[(triton.cdiv(T, 16),)](idx, out, T, K, N, idx.stride(0), BLOCK_T=16, BLOCK_K=128)
+    return out
+
+
+def in_order(topk_length, chunk, programs, n_hb):
+    """``hopper.balanced_order``'s stand-in: every chunk's tokens in their order."""
+    return torch.arange(topk_length.shape[0], device=topk_length.device, dtype=torch.int32) % chunk
+
+
+def ordered(run, inorder):
+    def go():
+        if not inorder:
+            return run()
+        saved = forward_gluon.balanced_order, backward_gluon.balanced_order
+        forward_gluon.balanced_order = backward_gluon.balanced_order = in_order
+        try:
+            return run()
+        finally:
+            forward_gluon.balanced_order, backward_gluon.balanced_order = saved
+    return go
+
+
+def kernel_ms(run):
+    """ms of the forward's or the backward's main kernel, and of everything else, in one
+    profiled call."""
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    main = other = 0.0
+    for e in prof.key_averages():
+        if "bwd_main" in e.key or "fwd_gluon" in e.key:
+            main += e.device_time_total / 1e3
+        else:
+            other += e.device_time_total / 1e3
+    return round(main, 4), round(other, 4)
 
 
 def trailing_length(idx, N):
@@ -51,44 +112,49 @@ for T, H, K, ids in ROWS:
     r = dict(T=T, H=H, K=K, D=D, ids=ids, N=N, valid_slots=round(valid, 4),
              eff_mean=round(eff.float().mean().item() / K, 4))
 
+    assert torch.equal(eff, trailing_length_kernel(idx, N))
+
     def fwd(with_len):
         return lambda: torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink, scale,
-                                                     trailing_length(idx, N) if with_len else None)
+                                                     trailing_length_kernel(idx, N) if with_len else None)
 
     def bwd(with_len, det):
         def run():
             dsv4_sparse_attn.set_deterministic_backward(det)
             try:
                 return torch.ops.dsv4.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, scale,
-                                                     trailing_length(idx, N) if with_len else None)
+                                                     trailing_length_kernel(idx, N) if with_len else None)
             finally:
                 dsv4_sparse_attn.set_deterministic_backward(None)
         return run
 
-    pairs = {"fwd": (fwd(False), fwd(True)), "fast": (bwd(False, False), bwd(True, False)),
-             "det": (bwd(False, True), bwd(True, True))}
-    if T > 32768:
-        pairs.pop("det")  # (its partial rows' chunks: a minute a call pair at this size)
-    for name, (a, b) in pairs.items():
-        x, y = a(), b()
-        if name == "fwd":
-            r["fwd_err_out"] = relerr(y[0].float(), x[0].float())
-            r["fwd_lse_equal"] = bool(torch.equal(x[1], y[1]))
-        else:
-            r[f"{name}_err_dq"] = relerr(y[0].float(), x[0].float())
-            r[f"{name}_err_dkv"] = relerr(y[1].float(), x[1].float())
-            if name == "det":
-                r["det_bitwise"] = all(torch.equal(u, v) for u, v in zip(x, y))
-        x = y = None
-        rep = 300 if T > 32768 else 100
-        for k in range(2):  # A, B, B, A
-            order = ((name, a), (name + "_len", b)) if k == 0 else ((name + "_len", b), (name, a))
-            for label, f in order:
-                ms = triton.testing.do_bench(f, warmup=3, rep=rep, return_mode="median")
+    makers = (("fwd", lambda w: fwd(w)), ("fast", lambda w: bwd(w, False)), ("det", lambda w: bwd(w, True)))
+    for name, make in makers:
+        arms = {name: make(False)}
+        for a in ARMS:
+            arms[f"{name}_{a}"] = ordered(make(True), a == "inorder")
+        x = arms[name]()
+        for label, f in arms.items():
+            if label == name:
+                continue
+            y = f()
+            if name == "fwd":
+                r[f"{label}_err_out"] = relerr(y[0].float(), x[0].float())
+            else:
+                r[f"{label}_err_dkv"] = relerr(y[1].float(), x[1].float())
+            r[f"{label}_bitwise"] = all(torch.equal(u, v) for u, v in zip(x, y))
+            y = None
+        x = None
+        names = list(arms)
+        for k in range(2):  # A, B, ..., B, A
+            for label in (names if k == 0 else names[::-1]):
+                ms = triton.testing.do_bench(arms[label], warmup=3, rep=100, return_mode="median")
                 r[f"{label}_ms_{k}"] = round(ms, 4)
-        best = min(r[f"{name}_ms_0"], r[f"{name}_ms_1"])
-        best_len = min(r[f"{name}_len_ms_0"], r[f"{name}_len_ms_1"])
-        r[f"{name}_len_over_none"] = round(best_len / best, 4)
+        for label in names:
+            r[f"{label}_ms"] = min(r[f"{label}_ms_0"], r[f"{label}_ms_1"])
+            r[f"{label}_kernel_other_ms"] = kernel_ms(arms[label])
+            if label != name:
+                r[f"{label}_over_none"] = round(r[f"{label}_ms"] / r[f"{name}_ms"], 4)
     print(json.dumps(r), flush=True)
     q = kv = idx = out = lse = do = eff = None
     torch.cuda.empty_cache()
