@@ -31,7 +31,7 @@ class Case:
     K: int
     dtype: torch.dtype = torch.bfloat16
     sink: bool = True
-    ids: str = "random"  # random | empty_rows | dup | extreme | shared | deepseek
+    ids: str = "random"  # random | empty_rows | dup | extreme | shared | deepseek | tails
     idx_dtype: torch.dtype = torch.int32
     noncontig: bool = False
     sink_scale: float = 1.0
@@ -63,6 +63,13 @@ def make_indices(c: Case, device) -> torch.Tensor:
         big = 2**31 - 1 if c.idx_dtype == torch.int32 else 2**40
         idx[:, 0::3] = big
         idx[:, 1::3] = -big
+    elif c.ids == "tails":  # as a causal indexer's: each token's slots from a cut on masked
+        # (-1 and >= N in turn), the cut uniform in [0, K] with 0, 1 and K among them;
+        # masked and out-of-range ids before the cut too
+        cut = torch.randint(0, K + 1, (T, 1), device=device)
+        cut[:3, 0] = torch.tensor([0, 1, K], device=device)[:T]
+        pos = torch.arange(K, device=device)[None, :]
+        idx = torch.where(pos >= cut, torch.where(pos % 2 == 0, -1, N + 3), idx)
     return idx.to(c.idx_dtype)
 
 

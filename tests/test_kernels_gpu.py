@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import dsv4_sparse_attn
-from kernel_checks import Case, check_backward, check_forward, make_case, make_lengths
+from kernel_checks import TOL, Case, check_backward, check_forward, make_case, make_lengths
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_triton, dispatch
 from dsv4_sparse_attn.kernels import forward_triton as kfwd
@@ -216,6 +216,53 @@ def _assert_det_bitwise(monkeypatch, main, case, before: dict, after: dict):
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
 def test_gluon_backward_matches_reference(case, deterministic):
     check_backward(case, DEV, deterministic=deterministic, main=_gluon_bwd_or_skip(case.H))
+
+
+# Each token's slots from a cut on masked (ids="tails", as a causal indexer's): with
+# TRAILING_MASKED_SKIPPED the Gluon main kernel takes the trailing masked slots as lengths in
+# token order (``launch(in_order=True)``): one and two head blocks, a padded head block,
+# small-head tiles, int64 and strided ids, K = 0 and K not a multiple of 64, more tiles
+# than SMs
+TRAIL_CASES = [
+    Case(300, 64, 512, 900, 640, ids="tails"),
+    Case(200, 128, 512, 700, 1152, ids="tails"),
+    Case(150, 40, 512, 300, 130, ids="tails", sink=False),
+    Case(64, 16, 512, 300, 200, ids="tails"),
+    Case(140, 64, 512, 500, 300, ids="tails", idx_dtype=I64, noncontig=True),
+    Case(50, 64, 512, 50, 0, ids="tails"),
+]
+
+
+@pytest.mark.parametrize("case", TRAIL_CASES, ids=str)
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+def test_gluon_backward_skips_trailing_masked_slots(monkeypatch, case, deterministic):
+    """Against the float64 oracle (grad_q poisoned with NaN before the call), and in the
+    deterministic mode bitwise the gradients of the call without the option."""
+    main = _gluon_bwd_or_skip(case.H)
+    q, kv, idx, sink = make_case(case, DEV)
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, case.D ** -0.5)
+    do = torch.randn_like(out)
+
+    def run(partial16):
+        dq = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, case.D ** -0.5, main=main,
+                                   deterministic=deterministic, grad_q=dq, partial16=partial16)
+
+    rq, rkv, rs = oracle_bwd(do, None, q, kv, idx, sink, None, None)
+    tol = TOL[case.dtype]
+    # (at H = 128 the deterministic mode's fp32 rows too: head-block pairs)
+    for partial16 in (None, False) if deterministic and case.H > 64 else (None,):
+        monkeypatch.setattr(kbwd, "TRAILING_MASKED_SKIPPED", False)
+        plain = run(partial16)
+        monkeypatch.setattr(kbwd, "TRAILING_MASKED_SKIPPED", True)
+        got = run(partial16)
+        errs = dict(dq=relerr(got[0], rq), dkv=relerr(got[1], rkv))
+        if sink is not None:
+            errs["dsink"] = relerr(got[2], rs)
+        assert errs["dq"] < tol["grad"] and errs["dkv"] < tol["grad"], (str(case), partial16, errs)
+        assert errs.get("dsink", 0) < tol["sink"], (str(case), partial16, errs)
+        if deterministic:
+            assert all(torch.equal(a, b) for a, b in zip(plain, got)), (str(case), partial16)
 
 
 # More tiles than SMs with a remainder: the fast mode cuts the tiles past the last whole round

@@ -209,12 +209,13 @@ def test_gluon_forward_v32_compiles_for_sm90(has_sink, has_len, dead):
     assert r["spill_bytes"] <= 16, r
 
 
-@pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])
+@pytest.mark.parametrize("has_len", [False, True, 2], ids=["", "topk_length", "in_order"])
 @pytest.mark.parametrize("red", [False, True], ids=["deterministic", "fast"])
 def test_gluon_backward_d512_compiles_for_sm90(red, has_len):
     """The Gluon main kernel of the backward (the default for D=512 on Hopper), both modes,
-    with and without per-token lengths; the deterministic one as H = 128 builds it, with the
-    head-block pairs' code (test_gluon_backward_deterministic_pairs_code_only_where_pairs_run)."""
+    with and without per-token lengths (2: lengths in token order, ``launch(in_order=True)``);
+    the deterministic one as H = 128 builds it, with the head-block pairs' code
+    (test_gluon_backward_deterministic_pairs_code_only_where_pairs_run)."""
     r = compile_backward_gluon(red=red, has_len=has_len, paired=not red)
     assert r["shared"] <= H200_SMEM_LIMIT, r
     assert r["wgmma"] > 0 and r["mma_sync"] == 0, r
@@ -299,7 +300,7 @@ def test_gluon_backward_evict_last_option_compiles_for_sm90():
 
 
 @pytest.mark.parametrize("split", [1, 2], ids=["single", "double"])
-@pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])
+@pytest.mark.parametrize("has_len", [False, True, 2], ids=["", "topk_length", "in_order"])
 @pytest.mark.parametrize("red", [False, True], ids=["deterministic", "fast"])
 def test_gluon_backward_split_roles_compiles_for_sm90(red, has_len, split):
     """Both modes with the blocks' roles split in time (``launch(split=True)``): no
@@ -328,7 +329,7 @@ def test_gluon_backward_split_roles_compiles_for_sm90(red, has_len, split):
 
 @pytest.mark.parametrize("hp, rope", [(64, 0), (16, 0), (64, 64), (16, 64)],
                          ids=["h64", "h16", "v32", "v32-h16"])
-@pytest.mark.parametrize("has_len", [False, True], ids=["", "topk_length"])
+@pytest.mark.parametrize("has_len", [False, True, 2], ids=["", "topk_length", "in_order"])
 def test_gluon_backward_16_bit_partial_rows_compile_for_sm90(has_len, hp, rope):
     """The deterministic build with 16-bit partial rows (``launch(partial_exp=...)``: fp16
     rows, the unsplit schedule, no head-block pairs) as the launcher builds it: no
@@ -342,6 +343,8 @@ def test_gluon_backward_16_bit_partial_rows_compile_for_sm90(has_len, hp, rope):
     if not G.partial16_default(512 + rope, 512):
         pytest.skip(f"16-bit partial rows are not a default at D = {512 + rope} "
                     f"under Triton {G.TRITON_VERSION}")
+    if has_len == 2 and rope:
+        pytest.skip("lengths in token order (backward.TRAILING_MASKED_SKIPPED) run at D = d_v only")
     dq_tma = bool(G.DQ_TMA_ROPE if rope else G.DQ_TMA)
     r = compile_backward_gluon(red=False, split=0, p16=True, has_len=has_len, hp=hp, dq_tma=dq_tma, rope=rope)
     assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r

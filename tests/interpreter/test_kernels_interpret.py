@@ -389,3 +389,91 @@ def test_backward_takes_unaligned_rows_interpreted(monkeypatch, deterministic):
     assert seen and all(seen)
     assert relerr(gq, rq) < TOL[FP]["grad"] and relerr(gkv, rkv) < TOL[FP]["grad"]
     assert relerr(gs, rs) < TOL[FP]["sink"]
+
+
+@pytest.mark.parametrize("idx_dtype, noncontig, K",
+                         [(torch.int32, False, 300), (torch.int64, True, 130), (torch.int32, False, 0)],
+                         ids=["i32", "i64-strided", "K0"])
+def test_delta_launch_finds_each_tokens_trailing_masked_slots_interpreted(idx_dtype, noncontig, K):
+    """The Delta kernel's ``HAS_TRAIL`` output: 1 + each token's last slot with an id in
+    [0, N) (0 where none is), over K not a multiple of its 128-slot steps, int32 and int64
+    ids, a strided ids tensor, K = 0; Delta itself the same bits as without it."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
+    from kernel_checks import make_indices
+
+    T, H, N, D = 40, 5, 60, 64
+    c = Case(T, H, D, N, K, ids="tails", idx_dtype=idx_dtype)
+    idx = make_indices(c, "cpu")
+    if noncontig:
+        idx = torch.stack([idx, torch.zeros_like(idx)], 1)[:, 0]
+    out, do = torch.randn(T, H, D).to(FP), torch.randn(T, H, D).to(FP)
+    valid = (idx >= 0) & (idx < N)
+    want = (valid * torch.arange(1, K + 1)).amax(1) if K else torch.zeros(T, dtype=torch.int64)
+
+    def run(trail):
+        delta = torch.empty(T, H)
+        kbwd._bwd_delta_kernel[(T, 2)](
+            out, do, delta, delta, idx, trail if trail is not None else delta, H, N, K, out.stride(0),
+            out.stride(1), do.stride(0), do.stride(1), 0, idx.stride(0), D=D, BLOCK_H=4, HAS_DLSE=False,
+            HAS_TRAIL=trail is not None)
+        return delta
+
+    trail = torch.full((T,), -7, dtype=torch.int32)
+    delta = run(trail)
+    assert trail.tolist() == want.tolist()
+    assert torch.equal(delta, run(None))
+    assert K == 0 or (0 < want.float().mean() < K and (want == 0).any() and (want == K).any())
+
+
+def _in_order_main(monkeypatch, seen):
+    """``backward_triton`` as a main kernel that takes ``in_order`` (``IN_ORDER``): the lengths
+    the backward hands it go to the Triton kernel as given lengths (recorded in ``seen``)."""
+    import types
+
+    from dsv4_sparse_attn.kernels import backward_triton
+
+    def launch(*a, in_order=False, topk_length=None, **k):
+        seen.append((in_order, None if topk_length is None else topk_length.clone()))
+        return backward_triton.launch(*a, topk_length=topk_length, **k)
+
+    main = types.SimpleNamespace(**{n: getattr(backward_triton, n) for n in dir(backward_triton)
+                                    if not n.startswith("__")})
+    main.launch, main.IN_ORDER = launch, True
+    return main
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+def test_backward_skips_trailing_masked_slots_interpreted(monkeypatch, deterministic):
+    """With ``TRAILING_MASKED_SKIPPED`` the backward without lengths hands a main kernel that
+    takes ``in_order`` each token's trailing masked slots as its length (from the Delta
+    launch): the gradients against the float64 oracle, and in the deterministic mode bitwise
+    those of the call without it (the slots left out add nothing)."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
+    from dsv4_sparse_attn.kernels import forward_triton as kfwd
+    from kernel_checks import make_case
+
+    c = Case(9, 4, 64, 40, 70, dtype=FP, ids="tails")
+    q, kv, idx, sink = make_case(c, "cpu")
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5)
+    do = torch.randn_like(out)
+    seen = []
+    main = _in_order_main(monkeypatch, seen)
+
+    def run():
+        return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main,
+                                   deterministic=deterministic)
+
+    plain = run()
+    assert seen == [(False, None)] * len(seen) and seen
+    monkeypatch.setattr(kbwd, "TRAILING_MASKED_SKIPPED", True)
+    seen.clear()
+    got = run()
+    valid = (idx >= 0) & (idx < c.N)
+    want = (valid * torch.arange(1, c.K + 1)).amax(1)
+    assert seen and all(o and torch.equal(n, want.to(torch.int32)) for o, n in seen)
+    rq, rkv, rs = oracle_bwd(do, None, q, kv, idx, sink, None, None)
+    tol = TOL[FP]
+    assert relerr(got[0], rq) < tol["grad"] and relerr(got[1], rkv) < tol["grad"]
+    assert relerr(got[2], rs) < tol["sink"]
+    if deterministic:
+        assert all(torch.equal(a, b) for a, b in zip(plain, got))

@@ -42,6 +42,19 @@ from .common import LOG2E, aligned16, cuda_properties, last_dim_contiguous, next
 # its bits), so the exact sums are a measurement option (``exact=True``)
 # (docs/performance/backward.md#exact-two-word-sums-measured-off).
 EXACT_SUMS = False
+# Without lengths, the main kernel's tiles leave out each token's trailing masked slots,
+# found from the ids at the tile's start (a main kernel with ``TRAILING``;
+# ``backward_gluon.launch(trailing=...)``): a causal indexer's ids end in -1 until its pool
+# fills (docs/performance/backward.md#trailing-masked-slots-as-lengths-measured).
+TRAILING_MASKED_SKIPPED = False
+
+# Without lengths, the main kernel leaves out each token's trailing masked slots: the Delta
+# launch finds them (1 + the last slot with a valid id) and the main kernel takes them as
+# lengths in token order (a main kernel with ``IN_ORDER``; ``launch(in_order=True)``). A
+# causal indexer's ids end in -1 until its pool fills
+# (docs/performance/backward.md#trailing-masked-slots-as-lengths-measured).
+TRAILING_MASKED_SKIPPED = False
+
 # The deterministic mode's partial rows in 16 bits (fp16, a power-of-two scale a 64-column
 # segment; the fold decodes them exactly and sums in fp32, in the same fixed order) where the
 # main kernel takes them by default (its ``partial16_default``: the Gluon kernel at D = d_v =
@@ -142,11 +155,23 @@ def _sort_keys_kernel(IDX, LEN, TOK, KEYS, t_lo, n_tok, K, stride_t, N, n,
 
 @triton.jit(do_not_specialize=["H", "stride_gt"])
 def _bwd_delta_kernel(
-    OUT, DO, DLSE, DELTA,
-    H, stride_ot, stride_oh, stride_dt, stride_dh, stride_gt,
-    D: tl.constexpr, BLOCK_H: tl.constexpr, HAS_DLSE: tl.constexpr,
+    OUT, DO, DLSE, DELTA, IDX, TRAIL,
+    H, N, K, stride_ot, stride_oh, stride_dt, stride_dh, stride_gt, stride_it,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, HAS_DLSE: tl.constexpr, HAS_TRAIL: tl.constexpr,
+    BLOCK_K: tl.constexpr = 128,
 ):
     pid_t = tl.program_id(0).to(tl.int64)
+    if HAS_TRAIL:
+        # TRAIL[t]: 1 + the token's last slot with an id in [0, N) (0 if none), so that the
+        # main kernel leaves out the blocks of masked slots only (a causal indexer's -1 tail)
+        if tl.program_id(1) == 0:
+            offs_k = tl.arange(0, BLOCK_K)
+            last = tl.zeros([BLOCK_K], dtype=tl.int32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + offs_k
+                ids = tl.load(IDX + pid_t * stride_it + k, mask=k < K, other=-1)
+                last = tl.maximum(last, tl.where((ids >= 0) & (ids < N), k + 1, 0))
+            tl.store(TRAIL + pid_t, tl.max(last, 0))
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
     offs_d = tl.arange(0, D)
@@ -685,18 +710,30 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     acc, counters = zeroed_accumulator(N, 2 * D if exact else D, 4 + n_main_flags, dev)
     delta = torch.empty((T, H), dtype=torch.float32, device=dev)
     d_v = grad_out.shape[-1]  # Delta runs over the value columns
+    # Without lengths, each token's trailing masked slots as its length, found by the Delta
+    # launch (a main kernel that takes it in token order: ``in_order``)
+    trail = None
+    # (at D = d_v and without exact sums: the builds the GPU tests cover with it)
+    if (topk_length is None and TRAILING_MASKED_SKIPPED and getattr(main, "IN_ORDER", False) and T > 0
+            and "in_order" not in main_options and grad_out.shape[-1] == D and not exact):
+        trail = torch.empty((T,), dtype=torch.int32, device=dev)
     if T > 0:
         dh = min(next_pow2(H), max(1, 8192 // d_v))
         _bwd_delta_kernel[(T, triton.cdiv(H, dh))](
-            out, grad_out, grad_lse if grad_lse is not None else delta, delta,
-            H, out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1),
-            grad_lse.stride(0) if grad_lse is not None else 0,
-            D=d_v, BLOCK_H=dh, HAS_DLSE=grad_lse is not None, num_warps=4,
+            out, grad_out, grad_lse if grad_lse is not None else delta, delta, indices,
+            trail if trail is not None else delta,
+            H, N, K, out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1),
+            grad_lse.stride(0) if grad_lse is not None else 0, indices.stride(0),
+            D=d_v, BLOCK_H=dh, HAS_DLSE=grad_lse is not None, HAS_TRAIL=trail is not None, num_warps=4,
         )
 
     tokens = None  # with lengths: the tokens in the order the chunks take them (None: T's)
     if topk_length is not None:
         main_options = dict(main_options, topk_length=topk_length)
+    elif trail is not None:  # (the main kernel's only: no schedule, no sort keys change)
+        main_options = dict(main_options, topk_length=trail, in_order=True)
+    elif TRAILING_MASKED_SKIPPED and getattr(main, "TRAILING", False) and "trailing" not in main_options:
+        main_options = dict(main_options, trailing=True)
     orders = None  # a main kernel with a ``schedule`` orders each chunk's tokens by length
     if getattr(main, "LAUNCH_CACHE", False):  # what its launches share over the call's chunks
         main_options = dict(main_options, cache={})

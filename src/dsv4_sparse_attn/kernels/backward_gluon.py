@@ -194,9 +194,10 @@ _DQ_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4,
 @gluon.jit
 def _chunk_tile(ORDER, t_begin, pos, HAS_LEN: gl.constexpr):
     """(position within the chunk, token) of a persistent program's tile position ``pos``:
-    (pos, t_begin + pos), or with lengths the pair ``ORDER[pos]`` (``schedule``). The
-    position indexes the chunk's partial rows."""
-    if HAS_LEN:
+    (pos, t_begin + pos), or with lengths in their balanced order (HAS_LEN 1) the pair
+    ``ORDER[pos]`` (``schedule``); with lengths in token order (HAS_LEN 2: ``launch(in_order=
+    True)``) as without. The position indexes the chunk's partial rows."""
+    if HAS_LEN == 1:
         c = gl.load(ORDER + 2 * pos).to(gl.int64)
         t = gl.load(ORDER + 2 * pos + 1).to(gl.int64)
     else:
@@ -1491,13 +1492,14 @@ def exact_sums_ok(W: int, D: int) -> bool:
 
 LAUNCH_CACHE = True  # ``launch`` takes ``cache``
 DEFERS_DQ_PARTS = True  # ``launch`` takes ``dq_parts``
+IN_ORDER = True  # ``launch`` takes ``in_order``
 
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, tokens=None, lines=None, order=None, evict_last=None,
            split=None, qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None, head_pad=None,
            transposed=None, cache=None, split_remainder=None, pairs_code=None, dq_parts=None,
-           exact_codes=None, partial_exp=None):
+           exact_codes=None, partial_exp=None, in_order=False):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -1533,7 +1535,10 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     is fp16 and this holds its rows' scales (int64 [n_tok, n_hb, partial_slots(K),
     common.scale_words(D, rope)]: a biased exponent byte a segment); D = d_v = 512 or the
     576/512 layout (its score-only columns two segments of 32, one a consumer); ``paired``
-    false (16-bit rows take no head-block pairs)."""
+    false (16-bit rows take no head-block pairs).
+    ``in_order`` (with ``topk_length``, no ``tokens`` or ``order``): the tiles take the
+    tokens in their order, not the lengths' balanced order (no ``schedule``; for lengths
+    that follow the token order, as a causal indexer's trailing masked slots do)."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
@@ -1550,7 +1555,10 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     if paired and (partial is None or n_hb % 2):
         raise ValueError("head blocks pair up only on the partial-row path, with an even count")
     grid = _programs(n_tiles, q.device, paired)
-    if topk_length is not None and order is None:
+    in_order = bool(in_order) and topk_length is not None
+    if in_order and (tokens is not None or order is not None):
+        raise ValueError("in_order: the chunk's tokens in their order (no tokens or order given)")
+    if topk_length is not None and order is None and not in_order:
         if tokens is None:
             tokens = torch.arange(t_begin, t_begin + n_tok, device=q.device, dtype=torch.int32)
         order = schedule(topk_length, n_tok, H, paired, tokens)
@@ -1579,6 +1587,10 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     trans = _transposed(hp, sp, rope, partial is not None, transposed)
     if trans:
         early = 0
+        if in_order:  # (this build with HAS_LEN 2 reloads a value a block loop, sm_90, Triton
+            # 3.6: the given lengths' build, with the tokens' own order as its schedule)
+            pos = torch.arange(n_tok, device=q.device, dtype=torch.int32)
+            order, in_order = torch.stack((pos, pos + t_begin), 1), False
     if "args" not in cache:  # (the same tensors and settings for every chunk of a call)
         cache["args"] = ((_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out),
                          _qd_descriptor(grad_q) if dq_by_tma else grad_q)
@@ -1605,7 +1617,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
-        D=grad_out.shape[-1], HAS_LEN=topk_length is not None,
+        D=grad_out.shape[-1], HAS_LEN=2 if in_order else topk_length is not None,
         RED=_red(partial is not None, lines, ablate, exact),
         EVICT_LAST=_evict_last(N, D, q.device, evict_last) and partial is None and not exact,
         ROPE=rope, SPLIT=sp, QD_TMA=bool(tma), QD_EARLY=early, DQ_TMA=dq_by_tma, ABL=int(ablate),

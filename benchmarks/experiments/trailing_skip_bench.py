@@ -1,0 +1,69 @@
+"""The backward's main kernel leaving out each token's trailing masked slots
+(``backward.TRAILING_MASKED_SKIPPED``: the Delta launch finds them, the Gluon main kernel
+takes them as lengths in token order) against the shipped call, A, B, B, A in one process,
+both modes.
+
+    PYTHONPATH=src:tests:benchmarks/experiments python benchmarks/experiments/trailing_skip_bench.py
+
+Why: a causal indexer's ids end in -1 until its pool fills; without lengths the main kernel
+runs those blocks masked. Measured first with the lengths found by a launch of their own
+(implicit_lengths_bench.py, H200, e67ad72: 27-32% less time at H128 K1152 with causal ids at
+T = 4096, 7% at H64 K640 in token order; but 2-5% more where every slot is valid, and
+1.1-1.5x at the host-bound K = 160, from the extra launches).
+Prediction: with the lengths from the Delta launch (no launch more, no schedule) the causal
+rows as there in token order; where every slot is valid within 1% (the tiles' lengths
+loaded, the remainder's tiles whole: 0.1-1.5% by their measurement), the host-bound rows too.
+"""
+import json
+import os
+
+import torch
+import triton
+
+import dsv4_sparse_attn  # noqa: F401
+from dsv4_sparse_attn.kernels import backward as kbwd
+from dsv4_sparse_attn.kernels import backward_gluon
+from side_by_side import pool_inputs, relerr
+
+ROWS = [(4096, 64, 640, "causal"), (4096, 128, 1152, "causal"), (4096, 64, 640, "distinct"),
+        (4096, 128, 1152, "distinct"), (4096, 64, 160, "random"), (4096, 16, 1152, "distinct"),
+        (4096, 128, 512, "distinct"), (32768, 64, 640, "distinct")]
+ROWS = [ROWS[int(i)] for i in os.environ.get("TRAIL_ROWS", "0,1,2,3,4,5,6,7").split(",")]
+REPS = int(os.environ.get("TRAIL_REPS", "2"))
+
+for T, H, K, ids in ROWS:
+    D = 512
+    q, kv, idx, sink, do, out, lse = pool_inputs(T, H, K, ids)
+    N = kv.shape[0]
+    valid = ((idx >= 0) & (idx < N)).float().mean().item()
+    r = dict(T=T, H=H, K=K, D=D, ids=ids, valid_slots=round(valid, 4))
+
+    def arm(det, on):
+        def run():
+            saved = kbwd.TRAILING_MASKED_SKIPPED
+            kbwd.TRAILING_MASKED_SKIPPED = on
+            try:
+                return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
+                                           main=backward_gluon, deterministic=det)
+            finally:
+                kbwd.TRAILING_MASKED_SKIPPED = saved
+        return run
+
+    for mode, det in (("fast", False), ("det", True)):
+        a, b = arm(det, False), arm(det, True)
+        x, y = a(), b()
+        r[f"{mode}_err_dq"] = relerr(y[0].float(), x[0].float())
+        r[f"{mode}_err_dkv"] = relerr(y[1].float(), x[1].float())
+        r[f"{mode}_bitwise"] = all(torch.equal(u, v) for u, v in zip(x, y))
+        x = y = None
+        for k in range(REPS):
+            pair = ((mode, a), (mode + "_skip", b))
+            for label, f in (pair if k % 2 == 0 else pair[::-1]):
+                ms = triton.testing.do_bench(f, warmup=3, rep=100, return_mode="median")
+                r[f"{label}_ms_{k}"] = round(ms, 4)
+        best = min(r[f"{mode}_ms_{k}"] for k in range(REPS))
+        best_skip = min(r[f"{mode}_skip_ms_{k}"] for k in range(REPS))
+        r[f"{mode}_skip_over_none"] = round(best_skip / best, 4)
+    print(json.dumps(r), flush=True)
+    q = kv = idx = out = lse = do = None
+    torch.cuda.empty_cache()
