@@ -425,7 +425,7 @@ def test_delta_launch_finds_each_tokens_trailing_masked_slots_interpreted(idx_dt
     assert K == 0 or (0 < want.float().mean() < K and (want == 0).any() and (want == K).any())
 
 
-def _in_order_main(monkeypatch, seen):
+def _in_order_main(seen):
     """``backward_triton`` as a main kernel that takes ``in_order`` (``IN_ORDER``): the lengths
     the backward hands it go to the Triton kernel as given lengths (recorded in ``seen``)."""
     import types
@@ -457,7 +457,7 @@ def test_backward_skips_trailing_masked_slots_interpreted(monkeypatch, determini
     out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5)
     do = torch.randn_like(out)
     seen = []
-    main = _in_order_main(monkeypatch, seen)
+    main = _in_order_main(seen)
 
     def run():
         return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main,

@@ -42,17 +42,12 @@ from .common import LOG2E, aligned16, cuda_properties, last_dim_contiguous, next
 # its bits), so the exact sums are a measurement option (``exact=True``)
 # (docs/performance/backward.md#exact-two-word-sums-measured-off).
 EXACT_SUMS = False
-# Without lengths, the main kernel's tiles leave out each token's trailing masked slots,
-# found from the ids at the tile's start (a main kernel with ``TRAILING``;
-# ``backward_gluon.launch(trailing=...)``): a causal indexer's ids end in -1 until its pool
-# fills (docs/performance/backward.md#trailing-masked-slots-as-lengths-measured).
-TRAILING_MASKED_SKIPPED = False
-
 # Without lengths, the main kernel leaves out each token's trailing masked slots: the Delta
 # launch finds them (1 + the last slot with a valid id) and the main kernel takes them as
 # lengths in token order (a main kernel with ``IN_ORDER``; ``launch(in_order=True)``). A
-# causal indexer's ids end in -1 until its pool fills
-# (docs/performance/backward.md#trailing-masked-slots-as-lengths-measured).
+# causal indexer's ids end in -1 until its pool fills. Off: -7% / -27% of the time with
+# causal ids at H64 K640 / H128 K1152 (T = 4096, H200), but up to +7% where every slot is
+# valid (docs/performance/backward.md#the-trailing-length-from-the-delta-launch-measured-off).
 TRAILING_MASKED_SKIPPED = False
 
 # The deterministic mode's partial rows in 16 bits (fp16, a power-of-two scale a 64-column
@@ -732,8 +727,6 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         main_options = dict(main_options, topk_length=topk_length)
     elif trail is not None:  # (the main kernel's only: no schedule, no sort keys change)
         main_options = dict(main_options, topk_length=trail, in_order=True)
-    elif TRAILING_MASKED_SKIPPED and getattr(main, "TRAILING", False) and "trailing" not in main_options:
-        main_options = dict(main_options, trailing=True)
     orders = None  # a main kernel with a ``schedule`` orders each chunk's tokens by length
     if getattr(main, "LAUNCH_CACHE", False):  # what its launches share over the call's chunks
         main_options = dict(main_options, cache={})
