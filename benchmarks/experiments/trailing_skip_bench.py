@@ -30,6 +30,8 @@ ROWS = [(4096, 64, 640, "causal"), (4096, 128, 1152, "causal"), (4096, 64, 640, 
         (4096, 128, 512, "distinct"), (32768, 64, 640, "distinct")]
 ROWS = [ROWS[int(i)] for i in os.environ.get("TRAIL_ROWS", "0,1,2,3,4,5,6,7").split(",")]
 REPS = int(os.environ.get("TRAIL_REPS", "2"))
+# TRAIL_NO_PARTS=1: one more arm, the fast mode without the remainder's parts
+NO_PARTS = os.environ.get("TRAIL_NO_PARTS") == "1"
 
 for T, H, K, ids in ROWS:
     D = 512
@@ -38,16 +40,22 @@ for T, H, K, ids in ROWS:
     valid = ((idx >= 0) & (idx < N)).float().mean().item()
     r = dict(T=T, H=H, K=K, D=D, ids=ids, valid_slots=round(valid, 4))
 
-    def arm(det, on):
+    def arm(det, on, **opts):
         def run():
             saved = kbwd.TRAILING_MASKED_SKIPPED
             kbwd.TRAILING_MASKED_SKIPPED = on
             try:
                 return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
-                                           main=backward_gluon, deterministic=det)
+                                           main=backward_gluon, deterministic=det, **opts)
             finally:
                 kbwd.TRAILING_MASKED_SKIPPED = saved
         return run
+
+    if NO_PARTS:  # the fast mode without the remainder's parts (which no lengths build has)
+        c = arm(False, False, split_remainder=False)
+        for k in range(REPS):
+            r[f"fast_noparts_ms_{k}"] = round(triton.testing.do_bench(c, warmup=3, rep=100,
+                                                                      return_mode="median"), 4)
 
     for mode, det in (("fast", False), ("det", True)):
         a, b = arm(det, False), arm(det, True)
