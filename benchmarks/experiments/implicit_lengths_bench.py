@@ -27,11 +27,10 @@ import torch
 import triton
 
 import triton.language as tl
-from torch.profiler import ProfilerActivity, profile
 
 import dsv4_sparse_attn
 from dsv4_sparse_attn.kernels import backward_gluon, forward_gluon
-from side_by_side import pool_inputs, relerr
+from side_by_side import kernel_ms, pool_inputs, relerr
 
 ROWS = [(4096, 64, 640, "causal"), (4096, 128, 1152, "causal"), (4096, 64, 640, "distinct"),
         (4096, 128, 1152, "distinct"), (4096, 64, 160, "random"), (131072, 64, 640, "causal")]
@@ -76,23 +75,6 @@ def ordered(run, inorder):
         finally:
             forward_gluon.balanced_order, backward_gluon.balanced_order = saved
     return go
-
-
-def kernel_ms(run):
-    """ms of the forward's or the backward's main kernel, and of everything else, in one
-    profiled call."""
-    run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    main = other = 0.0
-    for e in prof.key_averages():
-        if "bwd_main" in e.key or "fwd_gluon" in e.key:
-            main += e.device_time_total / 1e3
-        else:
-            other += e.device_time_total / 1e3
-    return round(main, 4), round(other, 4)
 
 
 def trailing_length(idx, N):
@@ -152,7 +134,7 @@ for T, H, K, ids in ROWS:
                 r[f"{label}_ms_{k}"] = round(ms, 4)
         for label in names:
             r[f"{label}_ms"] = min(r[f"{label}_ms_0"], r[f"{label}_ms_1"])
-            r[f"{label}_kernel_other_ms"] = kernel_ms(arms[label])
+            r[f"{label}_kernel_other_ms"] = kernel_ms(arms[label], ("bwd_main", "fwd_gluon"))
             if label != name:
                 r[f"{label}_over_none"] = round(r[f"{label}_ms"] / r[f"{name}_ms"], 4)
     print(json.dumps(r), flush=True)

@@ -25,12 +25,11 @@ import os
 
 import torch
 import triton
-from torch.profiler import ProfilerActivity, profile
 
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import pool_inputs, relerr
+from side_by_side import kernel_ms, pool_inputs, relerr
 
 ROWS = [(4096, 64, 640, "causal"), (131072, 64, 640, "causal"), (32768, 64, 640, "distinct")]
 ROWS = [ROWS[int(i)] for i in os.environ.get("PASS_ROWS", "0,1").split(",")]
@@ -63,22 +62,6 @@ def pass_ids(idx, T, N, P):
 def in_order(topk_length, chunk, programs, n_hb):
     """``hopper.balanced_order``'s stand-in: every chunk's tokens in their order."""
     return torch.arange(topk_length.shape[0], device=topk_length.device, dtype=torch.int32) % chunk
-
-
-def main_ms(run):
-    """ms of the main kernel in one profiled call of ``run`` (after a warm one)."""
-    run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    main = other = 0.0
-    for e in prof.key_averages():
-        if "bwd_main" in e.key:
-            main += e.device_time_total / 1e3
-        else:
-            other += e.device_time_total / 1e3
-    return round(main, 3), round(other, 3)
 
 
 def timed(fn):
@@ -138,7 +121,7 @@ for T, H, K, ids in ROWS:
             ms = sum(timed(f) for f in arms[name])
             r[f"{name}_ms_{rep}"] = round(ms, 3)
     for name in names:
-        parts = [main_ms(f) for f in arms[name]]
+        parts = [kernel_ms(f) for f in arms[name]]
         r[f"{name}_main_ms"] = round(sum(m for m, _ in parts), 3)
         r[f"{name}_main_ms_passes"] = [m for m, _ in parts]
         r[f"{name}_main_tflops"] = round(fl / sum(m for m, _ in parts) * 1e-9, 1)

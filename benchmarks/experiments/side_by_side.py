@@ -80,6 +80,25 @@ def relerr(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def kernel_ms(run, names=("bwd_main",)):
+    """(ms of the kernels whose names hold one of ``names``, ms of every other kernel) in one
+    call of ``run`` under torch.profiler, after a warm one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    main = other = 0.0
+    for e in prof.key_averages():
+        if any(n in e.key for n in names):
+            main += e.device_time_total / 1e3
+        else:
+            other += e.device_time_total / 1e3
+    return round(main, 4), round(other, 4)
+
+
 def bench(fn):
     """Median ms of ``fn`` (``triton.testing.do_bench``, 5 warm-up calls, 40 ms of calls)."""
     return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
