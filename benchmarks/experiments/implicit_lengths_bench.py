@@ -30,7 +30,7 @@ import triton.language as tl
 
 import dsv4_sparse_attn
 from dsv4_sparse_attn.kernels import backward_gluon, forward_gluon
-from side_by_side import kernel_ms, pool_inputs, relerr
+from side_by_side import in_order, kernel_ms, pool_inputs, relerr
 
 ROWS = [(4096, 64, 640, "causal"), (4096, 128, 1152, "causal"), (4096, 64, 640, "distinct"),
         (4096, 128, 1152, "distinct"), (4096, 64, 160, "random"), (131072, 64, 640, "causal")]
@@ -57,11 +57,6 @@ def trailing_length_kernel(idx, N):
     out = torch.empty(T, dtype=torch.int32, device=idx.device)
     _trailing_length_kernel[(triton.cdiv(T, 16),)](idx, out, T, K, N, idx.stride(0), BLOCK_T=16, BLOCK_K=128)
     return out
-
-
-def in_order(topk_length, chunk, programs, n_hb):
-    """``hopper.balanced_order``'s stand-in: every chunk's tokens in their order."""
-    return torch.arange(topk_length.shape[0], device=topk_length.device, dtype=torch.int32) % chunk
 
 
 def ordered(run, inorder):

@@ -29,7 +29,7 @@ import triton
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import kernel_ms, pool_inputs, relerr
+from side_by_side import in_order, kernel_ms, pool_inputs, relerr
 
 ROWS = [(4096, 64, 640, "causal"), (131072, 64, 640, "causal"), (32768, 64, 640, "distinct")]
 ROWS = [ROWS[int(i)] for i in os.environ.get("PASS_ROWS", "0,1").split(",")]
@@ -57,11 +57,6 @@ def pass_ids(idx, T, N, P):
             keep |= valid & (idx < T)
         out.append(compact(idx, keep))
     return out
-
-
-def in_order(topk_length, chunk, programs, n_hb):
-    """``hopper.balanced_order``'s stand-in: every chunk's tokens in their order."""
-    return torch.arange(topk_length.shape[0], device=topk_length.device, dtype=torch.int32) % chunk
 
 
 def timed(fn):

@@ -80,6 +80,12 @@ def relerr(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def in_order(topk_length, chunk, programs, n_hb):
+    """``hopper.balanced_order``'s stand-in (patched into the Gluon launchers by the length
+    experiments): every chunk's tokens in their order."""
+    return torch.arange(topk_length.shape[0], device=topk_length.device, dtype=torch.int32) % chunk
+
+
 def kernel_ms(run, names=("bwd_main",)):
     """(ms of the kernels whose names hold one of ``names``, ms of every other kernel) in one
     call of ``run`` under torch.profiler, after a warm one."""
