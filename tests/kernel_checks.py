@@ -6,6 +6,7 @@ with the float64 reference.
 """
 from __future__ import annotations
 
+import types
 import zlib
 from dataclasses import dataclass
 
@@ -71,6 +72,23 @@ def make_indices(c: Case, device) -> torch.Tensor:
         pos = torch.arange(K, device=device)[None, :]
         idx = torch.where(pos >= cut, torch.where(pos % 2 == 0, -1, N + 3), idx)
     return idx.to(c.idx_dtype)
+
+
+def trailing_lengths(idx: torch.Tensor, N: int) -> torch.Tensor:
+    """int64 [T]: 1 + each token's last slot with an id in [0, N) (0 where none is)."""
+    valid = (idx >= 0) & (idx < N)
+    if idx.shape[1] == 0:
+        return torch.zeros(idx.shape[0], dtype=torch.int64, device=idx.device)
+    return (valid * torch.arange(1, idx.shape[1] + 1, device=idx.device)).amax(1)
+
+
+def stand_in(module, **overrides):
+    """A copy of a main-kernel module (``backward_triton``) with ``overrides``: the tests'
+    stand-in for a main kernel with other launch options or defaults."""
+    main = types.SimpleNamespace(**{k: getattr(module, k) for k in dir(module) if not k.startswith("__")})
+    for k, v in overrides.items():
+        setattr(main, k, v)
+    return main
 
 
 def make_case(c: Case, device, requires_grad=False):

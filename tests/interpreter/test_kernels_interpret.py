@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import oracle_bwd, relerr
-from kernel_checks import TOL, Case, check_backward, check_forward
+from kernel_checks import TOL, Case, check_backward, check_forward, stand_in, trailing_lengths
 
 # A guard: without the variable, conftest.py hands these tests to a child process before
 # they run, so this skip is only reached if that hand-over was bypassed.
@@ -407,8 +407,7 @@ def test_delta_launch_finds_each_tokens_trailing_masked_slots_interpreted(idx_dt
     if noncontig:
         idx = torch.stack([idx, torch.zeros_like(idx)], 1)[:, 0]
     out, do = torch.randn(T, H, D).to(FP), torch.randn(T, H, D).to(FP)
-    valid = (idx >= 0) & (idx < N)
-    want = (valid * torch.arange(1, K + 1)).amax(1) if K else torch.zeros(T, dtype=torch.int64)
+    want = trailing_lengths(idx, N)
 
     def run(trail):
         delta = torch.empty(T, H)
@@ -428,18 +427,13 @@ def test_delta_launch_finds_each_tokens_trailing_masked_slots_interpreted(idx_dt
 def _in_order_main(seen):
     """``backward_triton`` as a main kernel that takes ``in_order`` (``IN_ORDER``): the lengths
     the backward hands it go to the Triton kernel as given lengths (recorded in ``seen``)."""
-    import types
-
     from dsv4_sparse_attn.kernels import backward_triton
 
     def launch(*a, in_order=False, topk_length=None, **k):
         seen.append((in_order, None if topk_length is None else topk_length.clone()))
         return backward_triton.launch(*a, topk_length=topk_length, **k)
 
-    main = types.SimpleNamespace(**{n: getattr(backward_triton, n) for n in dir(backward_triton)
-                                    if not n.startswith("__")})
-    main.launch, main.IN_ORDER = launch, True
-    return main
+    return stand_in(backward_triton, launch=launch, IN_ORDER=True)
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
@@ -468,9 +462,8 @@ def test_backward_skips_trailing_masked_slots_interpreted(monkeypatch, determini
     monkeypatch.setattr(kbwd, "TRAILING_MASKED_SKIPPED", True)
     seen.clear()
     got = run()
-    valid = (idx >= 0) & (idx < c.N)
-    want = (valid * torch.arange(1, c.K + 1)).amax(1)
-    assert seen and all(o and torch.equal(n, want.to(torch.int32)) for o, n in seen)
+    want = trailing_lengths(idx, c.N).to(torch.int32)
+    assert seen and all(o and torch.equal(n, want) for o, n in seen)
     rq, rkv, rs = oracle_bwd(do, None, q, kv, idx, sink, None, None)
     tol = TOL[FP]
     assert relerr(got[0], rq) < tol["grad"] and relerr(got[1], rkv) < tol["grad"]

@@ -147,10 +147,9 @@ def test_16_bit_rows_are_the_default_where_the_main_kernel_says(monkeypatch, fla
     and the main kernel's ``partial16_default`` says so (the Gluon kernel at D = 512 and at
     576/512), fp32 rows otherwise, and none in the fast mode: the
     rows the main kernel is handed."""
-    import types
-
     from dsv4_sparse_attn.kernels import backward as kbwd
     from dsv4_sparse_attn.kernels import backward_triton
+    from kernel_checks import stand_in
 
     seen = []
 
@@ -158,10 +157,7 @@ def test_16_bit_rows_are_the_default_where_the_main_kernel_says(monkeypatch, fla
         seen.append(None if args[8] is None else args[8].dtype)
         return backward_triton.launch(*args, **kw)
 
-    main = types.SimpleNamespace(**{k: getattr(backward_triton, k) for k in dir(backward_triton)
-                                    if not k.startswith("__")})
-    main.launch = launch
-    main.partial16_default = lambda W, D: default
+    main = stand_in(backward_triton, launch=launch, partial16_default=lambda W, D: default)
     monkeypatch.setattr(kbwd, "PARTIAL_16", flag)
     torch.manual_seed(0)
     q, kv = torch.randn(3, 2, 256).half(), torch.randn(10, 256).half()  # (D / 4 a multiple of 64)
