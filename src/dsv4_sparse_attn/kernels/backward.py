@@ -710,7 +710,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     trail = None
     # (at D = d_v and without exact sums: the builds the GPU tests cover with it)
     if (topk_length is None and TRAILING_MASKED_SKIPPED and getattr(main, "IN_ORDER", False) and T > 0
-            and "in_order" not in main_options and grad_out.shape[-1] == D and not exact):
+            and grad_out.shape[-1] == D and not exact):
         trail = torch.empty((T,), dtype=torch.int32, device=dev)
     if T > 0:
         dh = min(next_pow2(H), max(1, 8192 // d_v))
