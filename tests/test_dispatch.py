@@ -599,3 +599,23 @@ def test_gluon_forward_gathers_from_aligned_rows(monkeypatch):
     kv = torch.randn(1 + 6 * 512, dtype=torch.bfloat16)[1:].view(6, 512)  # 2 bytes off
     forward_gluon.sparse_mla_fwd(q, kv, torch.zeros(3, 8, dtype=torch.int32), None, 1.0)
     assert seen["ok"] == [True, True]
+
+
+def test_gluon_backward_lengths_in_token_order_take_no_schedule(monkeypatch):
+    """``launch(in_order=True)`` (the trailing-slots option's lengths): the tokens in their
+    order, so it refuses a chunk's ``tokens`` or ``order`` (a schedule it would not read),
+    before anything is built or launched."""
+    from dsv4_sparse_attn.kernels import hopper
+
+    if hopper.gluon_unavailable():
+        pytest.skip(f"no Gluon in this Triton: {hopper.gluon_unavailable()}")
+    monkeypatch.setattr(backward_gluon, "_programs", lambda n_tiles, device, paired: 1)
+    q = torch.zeros(3, 64, 512, dtype=torch.bfloat16)
+    kv, idx = torch.zeros(10, 512, dtype=torch.bfloat16), torch.zeros(3, 64, dtype=torch.int32)
+    lengths = torch.full((3,), 64, dtype=torch.int32)
+    given = (dict(tokens=torch.arange(3, dtype=torch.int32)),
+             dict(order=torch.zeros(3, 2, dtype=torch.int32)))
+    for extra in given:
+        with pytest.raises(ValueError, match="in_order"):
+            backward_gluon.launch(q, kv, idx, q, None, None, q, None, None, None, 0, 3, 1.0, 1.0, False,
+                                  topk_length=lengths, in_order=True, **extra)
