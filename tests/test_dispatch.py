@@ -619,3 +619,47 @@ def test_gluon_backward_lengths_in_token_order_take_no_schedule(monkeypatch):
         with pytest.raises(ValueError, match="in_order"):
             backward_gluon.launch(q, kv, idx, q, None, None, q, None, None, None, 0, 3, 1.0, 1.0, False,
                                   topk_length=lengths, in_order=True, **extra)
+
+
+@pytest.mark.parametrize("H,n_tok,launches", [
+    (64, 9, [(0, 8, 2, False, 8, 8, 1), (8, 1, False, True, 4, 0, 4)]),  # 10 blocks: 4 parts
+    (128, 5, [(0, 4, 2, False, 8, 8, 1), (4, 1, False, True, 4, 0, 2)]),  # two head blocks
+    (64, 8, [(0, 8, 2, False, 8, 8, 1)]),  # whole rounds: one launch
+])
+def test_gluon_backward_lengths_in_token_order_leave_the_remainder_to_parts(monkeypatch, H, n_tok, launches):
+    """``launch(in_order=True)`` in the fast mode: the whole rounds of programs take the
+    lengths, the tiles past them a launch of their own on every program, without lengths,
+    cut into parts (the lengths' build has none), with a ticket of its own; their dQ parts go
+    to the caller's list. Each launch: (t_begin, tokens, HAS_LEN, PARTS, units, whole tiles,
+    parts a tile)."""
+    from dsv4_sparse_attn.kernels import hopper
+
+    if hopper.gluon_unavailable():
+        pytest.skip(f"no Gluon in this Triton: {hopper.gluon_unavailable()}")
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                seen.append(dict(grid=grid, flags=args[9].data_ptr(), t_begin=args[20], n_tiles=args[21],
+                                 units=args[23:26], HAS_LEN=kw["HAS_LEN"], PARTS=kw["PARTS"]))
+            return run
+
+    monkeypatch.setattr(backward_gluon, "_bwd_main_gluon_kernel", Kernel())
+    monkeypatch.setattr(backward_gluon, "_programs", lambda n_tiles, device, paired: min(n_tiles, 4))
+    K = 640
+    q = torch.zeros(n_tok, H, 512, dtype=torch.bfloat16)
+    kv, idx = torch.zeros(10, 512, dtype=torch.bfloat16), torch.zeros(n_tok, K, dtype=torch.int32)
+    flags = torch.zeros(backward_gluon.flags_per_chunk(n_tok, H // 64), dtype=torch.int32)
+    jobs = []
+    lse = torch.zeros(n_tok, H)
+    backward_gluon.launch(q, kv, idx, q, lse, lse, q, torch.zeros(10, 512), None, flags, 0, n_tok, 1.0, 1.0,
+                          False, topk_length=torch.full((n_tok,), K, dtype=torch.int32), in_order=True,
+                          qd_tma=False, dq_tma=0, evict_last=False, split=1, dq_parts=jobs)
+    got = [(r["t_begin"], r["n_tiles"] // (H // 64), r["HAS_LEN"], r["PARTS"], r["units"][0], r["units"][1],
+            r["units"][2]) for r in seen]
+    assert got == launches
+    assert all(r["grid"] == (4,) for r in seen)
+    assert len({r["flags"] for r in seen}) == len(seen)  # a zeroed ticket each
+    assert [(j.t_begin, j.n_full, j.n_parts, j.n_rem) for j in jobs] == [
+        (r[0], 0, r[6], r[1] * (H // 64)) for r in launches if r[3]]

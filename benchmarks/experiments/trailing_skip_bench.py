@@ -30,7 +30,9 @@ ROWS = [(4096, 64, 640, "causal"), (4096, 128, 1152, "causal"), (4096, 64, 640, 
         (4096, 128, 512, "distinct"), (32768, 64, 640, "distinct")]
 ROWS = [ROWS[int(i)] for i in os.environ.get("TRAIL_ROWS", "0,1,2,3,4,5,6,7").split(",")]
 REPS = int(os.environ.get("TRAIL_REPS", "2"))
-# TRAIL_NO_PARTS=1: one more arm, the fast mode without the remainder's parts
+# TRAIL_NO_PARTS=1: two more arms, the fast mode without the remainder's parts, without and
+# with the option (with it, by default, the whole rounds take the lengths and the remainder's
+# tiles a launch of their own in parts: backward_gluon.launch(in_order=True))
 NO_PARTS = os.environ.get("TRAIL_NO_PARTS") == "1"
 
 for T, H, K, ids in ROWS:
@@ -51,11 +53,12 @@ for T, H, K, ids in ROWS:
                 kbwd.TRAILING_MASKED_SKIPPED = saved
         return run
 
-    if NO_PARTS:  # the fast mode without the remainder's parts (which no lengths build has)
-        c = arm(False, False, split_remainder=False)
-        for k in range(REPS):
-            r[f"fast_noparts_ms_{k}"] = round(triton.testing.do_bench(c, warmup=3, rep=100,
-                                                                      return_mode="median"), 4)
+    if NO_PARTS:  # the fast mode without the remainder's parts, without and with the option
+        for label, on in (("fast_noparts", False), ("fast_skip_noparts", True)):
+            c = arm(False, on, split_remainder=False)
+            for k in range(REPS):
+                r[f"{label}_ms_{k}"] = round(triton.testing.do_bench(c, warmup=3, rep=100,
+                                                                     return_mode="median"), 4)
 
     for mode, det in (("fast", False), ("det", True)):
         a, b = arm(det, False), arm(det, True)

@@ -316,6 +316,8 @@ def test_remainder_parts_sum_in_order_interpreted():
     assert G._remainder_parts(4092, 132, 10, True) == (4092, 1)  # whole rounds: nothing to cut
     assert G._remainder_parts(1000, 132, 2, True) == (1000, 1)  # 76 left: under two a program
     assert G._remainder_parts(100, 132, 10, True) == (100, 1)  # fewer tiles than programs
+    # a launch of the remainder alone on every program (launch(in_order=True)): all parts
+    assert G._remainder_parts(4, 132, 10, True) == (0, 10)
     assert G._remainder_parts(4096, 132, 10, False) == (4096, 1)
     T, H, D, n_hb, n_full, n_parts = 5, 100, 512, 2, 7, 3
     r = T * n_hb - n_full
@@ -327,6 +329,7 @@ def test_remainder_parts_sum_in_order_interpreted():
     kbwd.sum_dq_parts(kbwd.DqParts(dqf, dq, 0, n_full, n_parts, r, n_hb, 64))
     in_epilogue = torch.full_like(dq, float("nan"))
     acc, counters = kbwd.zeroed_accumulator(9, D, 4, "cpu")
+    acc0, counters0 = kbwd.zeroed_accumulator(9, D, 4, "cpu")
     acc.copy_(torch.randn(9, D, generator=g))
     lse, delta = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
     sink = torch.randn(H, generator=g)
@@ -347,6 +350,20 @@ def test_remainder_parts_sum_in_order_interpreted():
     for got in (dq, in_epilogue):
         assert torch.equal(got.isnan(), want.isnan())
         assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    # a launch of the remainder alone (launch(in_order=True)'s second): no whole tile, from
+    # token 3 (tiles 6..9 of the call)
+    rem = torch.full_like(dq, float("nan"))
+    dqf4 = torch.randn(4 * n_parts, 64, D, generator=g)
+    kbwd.epilogue(acc0, torch.float32, False, sink, lse, delta, counters0[:1],
+                  kbwd.DqParts(dqf4, rem, 3, 0, n_parts, 4, n_hb, 64))
+    for i in range(4):
+        t, hb = 3 + i // n_hb, i % n_hb
+        rows = min(64, H - 64 * hb)
+        one = torch.zeros(64, D)
+        for p in range(n_parts):
+            one = one + dqf4.view(4, n_parts, 64, D)[i, p]
+        assert torch.equal(rem[t, 64 * hb:64 * hb + rows], one[:rows])
+    assert rem[:3].isnan().all()
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])

@@ -1499,7 +1499,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
            scale_log2, paired, topk_length=None, tokens=None, lines=None, order=None, evict_last=None,
            split=None, qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None, head_pad=None,
            transposed=None, cache=None, split_remainder=None, pairs_code=None, dq_parts=None,
-           exact_codes=None, partial_exp=None, in_order=False):
+           exact_codes=None, partial_exp=None, in_order=False, programs=None):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -1538,7 +1538,11 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     false (16-bit rows take no head-block pairs).
     ``in_order`` (with ``topk_length``, no ``tokens`` or ``order``): the tiles take the
     tokens in their order, not the lengths' balanced order (no ``schedule``; for lengths
-    that follow the token order, as a causal indexer's trailing masked slots do)."""
+    that follow the token order, as a causal indexer's trailing masked slots do). Such
+    lengths only skip blocks: the ids past them must be masked, since the tiles past the
+    last whole round of programs ignore them, cut into parts (``split_remainder``) in a
+    launch of their own. ``programs``: the launch's program count (default one an SM, at
+    most a tile each: ``_programs``)."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
@@ -1554,15 +1558,35 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         raise ValueError(f"partial rows: fp32, or fp16 with their scales (partial_exp); got {partial.dtype}")
     if paired and (partial is None or n_hb % 2):
         raise ValueError("head blocks pair up only on the partial-row path, with an even count")
-    grid = _programs(n_tiles, q.device, paired)
+    grid = _programs(n_tiles, q.device, paired) if programs is None else int(programs)
     in_order = bool(in_order) and topk_length is not None
     if in_order and (tokens is not None or order is not None):
         raise ValueError("in_order: the chunk's tokens in their order (no tokens or order given)")
+    cut = SPLIT_REMAINDER if split_remainder is None else split_remainder
+    rope = D - grad_out.shape[-1]
+    nb = triton.cdiv(K, BLOCK_K)
+    if in_order and cut and partial is None and not exact and trace is None and programs is None:
+        # The lengths' build has no parts (with them its split schedules reload values in
+        # the block loop): the whole rounds take the lengths, the remainder's tiles then
+        # run without them, cut into parts, on every program (ids past a length are masked).
+        sp_fast = _split(False, split, n_hb, K) if rope == 0 else 0
+        parts_ok = rope == 0 and not _transposed(_head_pad(H, head_pad), sp_fast, rope, False, transposed)
+        n_full, n_parts = _remainder_parts(n_tiles, grid, nb, parts_ok)
+        if n_parts > 1 and n_full % n_hb == 0:
+            common = dict(lines=lines, evict_last=evict_last, split=split, qd_tma=qd_tma, qd_early=qd_early,
+                          dq_tma=dq_tma, ablate=ablate, head_pad=head_pad, transposed=transposed, cache=cache,
+                          pairs_code=pairs_code, dq_parts=dq_parts)
+            n_whole = n_full // n_hb
+            launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, None, flags, t_begin, n_whole, scale,
+                   scale_log2, paired, topk_length=topk_length, in_order=True, **common)
+            # (a ticket of its own: the fast mode's flags past the first are not read)
+            launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, None, flags[1:], t_begin + n_whole,
+                   n_tok - n_whole, scale, scale_log2, paired, split_remainder=True, programs=grid, **common)
+            return
     if topk_length is not None and order is None and not in_order:
         if tokens is None:
             tokens = torch.arange(t_begin, t_begin + n_tok, device=q.device, dtype=torch.int32)
         order = schedule(topk_length, n_tok, H, paired, tokens)
-    rope = D - grad_out.shape[-1]
     cache = {} if cache is None else cache
     # the programs' dQ scratch for the rope columns (zeros; the kernel leaves it zero, so the
     # chunks of a call share it: the first chunk has the most programs)
@@ -1600,8 +1624,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         if tuple(trace.shape) != want or trace.dtype != torch.int64:
             raise ValueError(f"trace: int64 {want}, got {trace.dtype} {tuple(trace.shape)}")
         ablate = int(ablate) | 16
-    cut = SPLIT_REMAINDER if split_remainder is None else split_remainder
-    n_full, n_parts = _remainder_parts(n_tiles, grid, triton.cdiv(K, BLOCK_K),
+    n_full, n_parts = _remainder_parts(n_tiles, grid, nb,
                                        cut and partial is None and topk_length is None and rope == 0
                                        and not trans)
     n_units = n_full + (n_tiles - n_full) * n_parts
@@ -1640,8 +1663,8 @@ def _remainder_parts(n_tiles: int, grid: int, nb: int, allowed: bool) -> tuple[i
     programs of that round end together (a static round robin otherwise leaves
     ``grid - n_tiles % grid`` programs idle for about a tile:
     docs/performance/backward.md#the-clock-and-the-last-round-measured)."""
-    r = n_tiles % grid
-    if not allowed or r == 0 or n_tiles < grid or nb < 2 or grid // r < 2:
+    r = n_tiles % grid  # (every tile when a launch of fewer tiles has more programs)
+    if not allowed or r == 0 or nb < 2 or grid // r < 2:
         return n_tiles, 1
     per = triton.cdiv(nb, min(nb, grid // r))  # slot blocks a part
     return n_tiles - r, triton.cdiv(nb, per)
