@@ -663,3 +663,41 @@ def test_gluon_backward_lengths_in_token_order_leave_the_remainder_to_parts(monk
     assert len({r["flags"] for r in seen}) == len(seen)  # a zeroed ticket each
     assert [(j.t_begin, j.n_full, j.n_parts, j.n_rem) for j in jobs] == [
         (r[0], 0, r[6], r[1] * (H // 64)) for r in launches if r[3]]
+
+
+@pytest.mark.parametrize("option, given", [(True, False), (True, True), (False, False)])
+def test_gluon_forward_trailing_option_takes_lengths_in_token_order(monkeypatch, option, given):
+    """``forward_gluon.TRAILING_MASKED_SKIPPED``: without lengths the kernel gets each token's
+    trailing length (``common.trailing_lengths``) as lengths in token order (``HAS_LEN`` 2,
+    no balanced order, the dead odd block skipped); given lengths keep their balanced order
+    (``HAS_LEN`` 1); off, no lengths."""
+    import types
+
+    seen = {}
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                seen.update(LEN=args[-2], ORDER=args[-1], HAS_LEN=kw["HAS_LEN"], DEAD=kw["DEAD"])
+            return run
+
+    monkeypatch.setattr(forward_gluon, "_sparse_mla_fwd_gluon_kernel", Kernel())
+    monkeypatch.setattr(forward_gluon, "cuda_properties",
+                        lambda d: types.SimpleNamespace(multi_processor_count=4))
+    monkeypatch.setattr(forward_gluon, "TRAILING_MASKED_SKIPPED", option)
+    monkeypatch.setattr(forward_gluon, "trailing_lengths",
+                        lambda idx, N: torch.tensor([3, 1, 0], dtype=torch.int32))
+    monkeypatch.setattr(forward_gluon, "balanced_order",
+                        lambda *a: torch.tensor([2, 0, 1], dtype=torch.int32))
+    q = torch.randn(3, 64, 512, dtype=torch.bfloat16)
+    kv, idx = torch.randn(6, 512, dtype=torch.bfloat16), torch.zeros(3, 256, dtype=torch.int32)
+    lengths = torch.tensor([5, 6, 7], dtype=torch.int32) if given else None
+    forward_gluon.sparse_mla_fwd(q, kv, idx, None, 1.0, topk_length=lengths)
+    if given:
+        assert seen["HAS_LEN"] == 1 and seen["LEN"] is lengths and seen["ORDER"].tolist() == [2, 0, 1]
+    elif option:
+        assert seen["HAS_LEN"] == 2 and seen["LEN"].tolist() == [3, 1, 0] and seen["ORDER"] is idx
+        assert seen["DEAD"]
+    else:
+        assert seen["HAS_LEN"] == 0 and seen["LEN"] is idx and seen["ORDER"] is idx
+    assert forward_gluon.TRAILING_MASKED_SKIPPED is option

@@ -265,6 +265,32 @@ def test_gluon_backward_skips_trailing_masked_slots(monkeypatch, case, determini
             assert all(torch.equal(a, b) for a, b in zip(plain, got)), (str(case), partial16)
 
 
+@pytest.mark.parametrize("case", TRAIL_CASES, ids=str)
+def test_gluon_forward_skips_trailing_masked_slots(monkeypatch, case):
+    """``forward_gluon.TRAILING_MASKED_SKIPPED``: against the float64 oracle (out and lse
+    poisoned with NaN), and bitwise the call without the option (a masked block adds exact
+    zeros under a rescale of exactly 1)."""
+    from dsv4_sparse_attn.kernels import forward_gluon
+
+    reason = forward_gluon.rejects(Call.of(torch.empty(1, case.H, case.D, device=DEV, dtype=case.dtype)))
+    if reason:
+        pytest.skip(f"the Gluon forward does not run here: {reason}")
+    q, kv, idx, sink = make_case(case, DEV)
+
+    def run(on):
+        monkeypatch.setattr(forward_gluon, "TRAILING_MASKED_SKIPPED", on)
+        out = torch.full((case.T, case.H, case.D), float("nan"), dtype=case.dtype, device=DEV)
+        lse = torch.full((case.T, case.H), float("nan"), dtype=torch.float32, device=DEV)
+        return forward_gluon.sparse_mla_fwd(q, kv, idx, sink, case.D ** -0.5, out=out, lse=lse)
+
+    plain, got = run(False), run(True)
+    ro, rl = oracle_fwd(q, kv, idx, sink, None, None)
+    errs = dict(out=relerr(got[0], ro), lse=relerr(got[1], rl))
+    tol = TOL[case.dtype]
+    assert errs["out"] < tol["out"] and errs["lse"] < tol["lse"], (str(case), errs)
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]), str(case)
+
+
 # More tiles than SMs with a remainder: the fast mode cuts the tiles past the last whole round
 # into parts of a few slot blocks (backward_gluon._remainder_parts)
 REMAINDER_CASES = [

@@ -160,13 +160,14 @@ def test_deterministic_fold_by_entry_runs_compiles_for_sm90(unroll, warps, prelo
     assert r["shared"] == 0 and r["spill_bytes"] == 0 and r["registers"] <= (128 if D == 512 else 192), r
 
 
-@pytest.mark.parametrize("has_len, dead", [(False, False), (True, True), (False, True)],
-                         ids=["", "topk_length", "dead_odd_block"])
+@pytest.mark.parametrize("has_len, dead", [(False, False), (True, True), (False, True), (2, True)],
+                         ids=["", "topk_length", "dead_odd_block", "in_order"])
 @pytest.mark.parametrize("has_sink", [True, False])
 def test_gluon_forward_d512_compiles_for_sm90(has_sink, has_len, dead):
     """The Gluon kernel (the default forward for D=512, H>16 on Hopper), with and without
-    per-token lengths, and without lengths where K % 128 is in [1, 64] (``DEAD``: the last
-    pair's odd block skipped)."""
+    per-token lengths (2: in token order, ``forward_gluon.TRAILING_MASKED_SKIPPED``), and
+    without lengths where K % 128 is in [1, 64] (``DEAD``: the last pair's odd block
+    skipped)."""
     r = compile_forward_gluon(has_sink=has_sink, has_len=has_len, dead=dead)
     assert r["shared"] <= H200_SMEM_LIMIT, r
     assert r["wgmma"] > 0 and r["mma_sync"] == 0, r

@@ -1,4 +1,5 @@
-"""The backward's main kernel leaving out each token's trailing masked slots
+"""The forward (``forward_gluon.TRAILING_MASKED_SKIPPED``: a launch finds the lengths) and the
+backward's main kernel leaving out each token's trailing masked slots
 (``backward.TRAILING_MASKED_SKIPPED``: the Delta launch finds them, the Gluon main kernel
 takes them as lengths in token order) against the shipped call, A, B, B, A in one process,
 both modes.
@@ -10,9 +11,15 @@ runs those blocks masked. Measured first with the lengths found by a launch of t
 (implicit_lengths_bench.py, H200, e67ad72: 27-32% less time at H128 K1152 with causal ids at
 T = 4096, 7% at H64 K640 in token order; but 2-5% more where every slot is valid, and
 1.1-1.5x at the host-bound K = 160, from the extra launches).
-Prediction: with the lengths from the Delta launch (no launch more, no schedule) the causal
+Prediction (forward, its lengths from a launch of its own, in token order): the causal rows
+as implicit_lengths_bench.py's in-order forward (-30% at H128 K1152, -7% at H64 K640); where
+every slot is valid the launch's few microseconds (under 1% but at K = 160).
+Prediction (backward): with the lengths from the Delta launch (no launch more, no schedule) the causal
 rows as there in token order; where every slot is valid within 1% (the tiles' lengths
 loaded, the remainder's tiles whole: 0.1-1.5% by their measurement), the host-bound rows too.
+Then (4d98ad8) the remainder's tiles in a parts launch of their own: where every slot is
+valid the option within the noise of the call without it (the parts' 1.5% at H64 K640 back);
+the causal rows unchanged (the remainder's tiles are the last tokens, whose pools are full).
 """
 import json
 import os
@@ -22,7 +29,7 @@ import triton
 
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
-from dsv4_sparse_attn.kernels import backward_gluon
+from dsv4_sparse_attn.kernels import backward_gluon, forward_gluon
 from side_by_side import pool_inputs, relerr
 
 ROWS = [(4096, 64, 640, "causal"), (4096, 128, 1152, "causal"), (4096, 64, 640, "distinct"),
@@ -52,6 +59,27 @@ for T, H, K, ids in ROWS:
             finally:
                 kbwd.TRAILING_MASKED_SKIPPED = saved
         return run
+
+    def fwd(on):  # the Gluon forward with and without its option (forward_gluon.TRAILING_MASKED_SKIPPED)
+        def run():
+            saved = forward_gluon.TRAILING_MASKED_SKIPPED
+            forward_gluon.TRAILING_MASKED_SKIPPED = on
+            try:
+                return forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
+            finally:
+                forward_gluon.TRAILING_MASKED_SKIPPED = saved
+        return run
+
+    x, y = fwd(False)(), fwd(True)()
+    r["fwd_bitwise"] = torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
+    x = y = None
+    for k in range(REPS):
+        pair = (("fwd", fwd(False)), ("fwd_skip", fwd(True)))
+        for label, f in (pair if k % 2 == 0 else pair[::-1]):
+            ms = triton.testing.do_bench(f, warmup=3, rep=100, return_mode="median")
+            r[f"{label}_ms_{k}"] = round(ms, 4)
+    r["fwd_skip_over_none"] = round(min(r[f"fwd_skip_ms_{k}"] for k in range(REPS))
+                                    / min(r[f"fwd_ms_{k}"] for k in range(REPS)), 4)
 
     if NO_PARTS:  # the fast mode without the remainder's parts, without and with the option
         for label, on in (("fast_noparts", False), ("fast_skip_noparts", True)):

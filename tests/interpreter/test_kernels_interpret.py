@@ -441,6 +441,25 @@ def test_delta_launch_finds_each_tokens_trailing_masked_slots_interpreted(idx_dt
     assert K == 0 or (0 < want.float().mean() < K and (want == 0).any() and (want == K).any())
 
 
+@pytest.mark.parametrize("T, K, idx_dtype, noncontig",
+                         [(40, 300, torch.int32, False), (17, 130, torch.int64, True),
+                          (5, 0, torch.int32, False), (33, 64, torch.int32, False)],
+                         ids=["i32", "i64-strided", "K0", "K64"])
+def test_trailing_lengths_launch_interpreted(T, K, idx_dtype, noncontig):
+    """``common.trailing_lengths`` (the forward's trailing-slots option): 1 + each token's
+    last slot with an id in [0, N) (0 where none is), over T and K not multiples of its
+    16-token, 64-slot blocks, int32 and int64 ids, a strided ids tensor, K = 0."""
+    from dsv4_sparse_attn.kernels.common import trailing_lengths as launch_lengths
+    from kernel_checks import make_indices
+
+    N = 60
+    idx = make_indices(Case(T, 4, 64, N, K, ids="tails", idx_dtype=idx_dtype), "cpu")
+    if noncontig:
+        idx = torch.stack([idx, torch.zeros_like(idx)], 1)[:, 0]
+    got = launch_lengths(idx, N)
+    assert got.dtype == torch.int32 and got.tolist() == trailing_lengths(idx, N).tolist()
+
+
 def _in_order_main(seen):
     """``backward_triton`` as a main kernel that takes ``in_order`` (``IN_ORDER``): the lengths
     the backward hands it go to the Triton kernel as given lengths (recorded in ``seen``)."""

@@ -192,3 +192,29 @@ def finish_softmax(m, l_sum, sink2, HAS_SINK: tl.constexpr):
         w = tl.where(sink2 == float("inf"), 0.0, w)
         lse = tl.where(sink2 == float("inf"), float("inf"), lse)
     return w, lse
+
+
+@triton.jit
+def _trailing_lengths_kernel(IDX, OUT, T, N, K, stride_it, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    last = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        ids = tl.load(IDX + t[:, None].to(tl.int64) * stride_it + k[None, :],
+                      mask=t_ok[:, None] & (k < K)[None, :], other=-1)
+        last = tl.maximum(last, tl.where((ids >= 0) & (ids < N), k[None, :] + 1, 0))
+    tl.store(OUT + t, tl.max(last, 1), mask=t_ok)
+
+
+def trailing_lengths(indices: torch.Tensor, N: int) -> torch.Tensor:
+    """int32 [T]: 1 + each token's last slot with an id in [0, N) (0 where none is): the
+    slots past it are masked, so a kernel that takes it as the token's length skips them
+    with the same result (a causal indexer's ids end in -1 until its pool fills). One
+    launch; the backward's Delta launch finds the same (``backward._bwd_delta_kernel``)."""
+    T, K = indices.shape
+    out = torch.empty(T, dtype=torch.int32, device=indices.device)
+    if T:
+        _trailing_lengths_kernel[(triton.cdiv(T, 16),)](indices, out, T, N, K, indices.stride(0),
+                                                        BLOCK_T=16, BLOCK_K=64, num_warps=4)
+    return out

@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .common import aligned16, cuda_properties
+from .common import aligned16, cuda_properties, trailing_lengths
 from .forward_triton import FWD_RUNTIME_INTS, prepare_forward
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, async_load, balanced_order,
                      finish_softmax, fresh, fresh_zero, hopper_rejects, load_ids, thread_barrier,
@@ -513,6 +513,11 @@ def _sparse_mla_fwd_gluon_kernel(
 
 
 NAME = "gluon_sm90"
+# Without lengths, the tiles leave out each token's trailing masked slots: a launch before
+# the kernel finds them (``common.trailing_lengths``) and the kernel takes them as lengths
+# in token order (``HAS_LEN`` 2: no balanced order). A causal indexer's ids end in -1 until
+# its pool fills (docs/performance/forward.md#trailing-masked-slots).
+TRAILING_MASKED_SKIPPED = False
 # Skip a tile's last odd block where it lies wholly past K (K % 128 in [1, 64]: K = 160
 # ran its 3 blocks as 4) or past a token's length; False: compute it, masked (A/B runs).
 SKIP_DEAD_ODD_BLOCK = True
@@ -570,12 +575,15 @@ def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, topk_le
     grid = (min(n_tiles, cuda_properties(q.device).multi_processor_count),)
     # With lengths the tiles differ in work: the programs take the tokens in an order that
     # balances them (the static round robin would otherwise decide the slowest program).
-    order = balanced_order(topk_length, T, grid[0], triton.cdiv(H, BLOCK_H)) if topk_length is not None \
-        else None
+    # The trailing lengths follow the token order already: consecutive tokens, alike lengths.
+    has_len = int(topk_length is not None)
+    if not has_len and TRAILING_MASKED_SKIPPED:
+        topk_length, has_len = trailing_lengths(indices, kv.shape[0]), 2
+    order = balanced_order(topk_length, T, grid[0], triton.cdiv(H, BLOCK_H)) if has_len == 1 else None
     _sparse_mla_fwd_gluon_kernel[grid](
         *args, topk_length if topk_length is not None else indices, order if order is not None else indices,
-        D=dv, HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None, ROPE=D - dv,
-        DEAD=dead_odd_block(indices.shape[1], topk_length is not None),
+        D=dv, HAS_SINK=attn_sink is not None, HAS_LEN=has_len, ROPE=D - dv,
+        DEAD=dead_odd_block(indices.shape[1], has_len > 0),
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
     return out, lse

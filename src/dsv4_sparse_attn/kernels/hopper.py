@@ -341,8 +341,9 @@ if gl is not None:
     @gluon.jit
     def tile_token(ORDER, pos, HAS_LEN: gl.constexpr):
         """The token (offset) of a persistent kernel's token position ``pos``: ``pos``, or
-        with lengths ``ORDER[pos]`` (``balanced_order``)."""
-        if HAS_LEN:
+        with lengths in their balanced order (HAS_LEN 1) ``ORDER[pos]`` (``balanced_order``);
+        with lengths in token order (HAS_LEN 2) ``pos``."""
+        if HAS_LEN == 1:
             t = gl.load(ORDER + pos).to(gl.int64)
         else:
             t = pos.to(gl.int64)
