@@ -181,8 +181,8 @@ def test_gluon_forward_d512_compiles_for_sm90(has_sink, has_len, dead):
     assert all(lp["R2UR"] <= _r2ur_allowance("forward") for lp in r["mma_loops"]), r["mma_loops"]
 
 
-@pytest.mark.parametrize("has_len, dead", [(False, False), (True, True), (False, True)],
-                         ids=["", "topk_length", "dead_odd_block"])
+@pytest.mark.parametrize("has_len, dead", [(False, False), (True, True), (False, True), (2, True)],
+                         ids=["", "topk_length", "dead_odd_block", "in_order"])
 @pytest.mark.parametrize("has_sink", [True, False])
 def test_gluon_forward_v32_compiles_for_sm90(has_sink, has_len, dead):
     """The Gluon forward at D = 576, d_v = 512 (ROPE = 64: kv's score-only columns in a ring
