@@ -277,13 +277,16 @@ def test_gluon_forward_skips_trailing_masked_slots(monkeypatch, case):
         pytest.skip(f"the Gluon forward does not run here: {reason}")
     q, kv, idx, sink = make_case(case, DEV)
 
-    def run(on):
+    def run(on, ids=idx):
         monkeypatch.setattr(forward_gluon, "TRAILING_MASKED_SKIPPED", on)
         out = torch.full((case.T, case.H, case.D), float("nan"), dtype=case.dtype, device=DEV)
         lse = torch.full((case.T, case.H), float("nan"), dtype=torch.float32, device=DEV)
-        return forward_gluon.sparse_mla_fwd(q, kv, idx, sink, case.D ** -0.5, out=out, lse=lse)
+        return forward_gluon.sparse_mla_fwd(q, kv, ids, sink, case.D ** -0.5, out=out, lse=lse)
 
     plain, got = run(False), run(True)
+    # the ids a slot apart (the lengths' launch reads them as given; the kernel, a copy)
+    spread = run(True, torch.stack([idx, torch.zeros_like(idx)], 2).flatten(1)[:, ::2])
+    assert all(torch.equal(a, b) for a, b in zip(spread, got)), str(case)
     ro, rl = oracle_fwd(q, kv, idx, sink, None, None)
     errs = dict(out=relerr(got[0], ro), lse=relerr(got[1], rl))
     tol = TOL[case.dtype]

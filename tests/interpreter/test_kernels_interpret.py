@@ -454,8 +454,10 @@ def test_trailing_lengths_launch_interpreted(T, K, idx_dtype, noncontig):
 
     N = 60
     idx = make_indices(Case(T, 4, 64, N, K, ids="tails", idx_dtype=idx_dtype), "cpu")
-    if noncontig:
+    if noncontig:  # rows apart and slots apart (the forward hands over the ids as given)
         idx = torch.stack([idx, torch.zeros_like(idx)], 1)[:, 0]
+        idx = torch.stack([idx, torch.full_like(idx, 5)], 2).flatten(1)[:, ::2]
+        assert idx.stride(1) == 2
     got = launch_lengths(idx, N)
     assert got.dtype == torch.int32 and got.tolist() == trailing_lengths(idx, N).tolist()
 

@@ -195,13 +195,14 @@ def finish_softmax(m, l_sum, sink2, HAS_SINK: tl.constexpr):
 
 
 @triton.jit
-def _trailing_lengths_kernel(IDX, OUT, T, N, K, stride_it, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+def _trailing_lengths_kernel(IDX, OUT, T, N, K, stride_it, stride_ik, BLOCK_T: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     last = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        ids = tl.load(IDX + t[:, None].to(tl.int64) * stride_it + k[None, :],
+        ids = tl.load(IDX + t[:, None].to(tl.int64) * stride_it + k[None, :].to(tl.int64) * stride_ik,
                       mask=t_ok[:, None] & (k < K)[None, :], other=-1)
         last = tl.maximum(last, tl.where((ids >= 0) & (ids < N), k[None, :] + 1, 0))
     tl.store(OUT + t, tl.max(last, 1), mask=t_ok)
@@ -215,6 +216,6 @@ def trailing_lengths(indices: torch.Tensor, N: int) -> torch.Tensor:
     T, K = indices.shape
     out = torch.empty(T, dtype=torch.int32, device=indices.device)
     if T:
-        _trailing_lengths_kernel[(triton.cdiv(T, 16),)](indices, out, T, N, K, indices.stride(0),
-                                                        BLOCK_T=16, BLOCK_K=64, num_warps=4)
+        _trailing_lengths_kernel[(triton.cdiv(T, 16),)](
+            indices, out, T, N, K, indices.stride(0), indices.stride(1), BLOCK_T=16, BLOCK_K=64, num_warps=4)
     return out
