@@ -47,7 +47,9 @@ EXACT_SUMS = False
 # lengths in token order (a main kernel with ``IN_ORDER``; ``launch(in_order=True)``). A
 # causal indexer's ids end in -1 until its pool fills. Off: -7% / -27% of the time with
 # causal ids at H64 K640 / H128 K1152 (T = 4096, H200), but up to +7% where every slot is
-# valid (docs/performance/backward.md#the-trailing-length-from-the-delta-launch-measured-off).
+# valid (docs/performance/backward.md#the-trailing-length-from-the-delta-launch-measured-off),
+# measured before the remainder's tiles got their parts back in a launch of their own
+# (docs/performance/backward.md#the-remainders-tiles-in-a-launch-of-their-own: not timed yet).
 TRAILING_MASKED_SKIPPED = False
 
 # The deterministic mode's partial rows in 16 bits (fp16, a power-of-two scale a 64-column
