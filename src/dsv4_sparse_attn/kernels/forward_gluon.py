@@ -576,14 +576,16 @@ def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, topk_le
     # With lengths the tiles differ in work: the programs take the tokens in an order that
     # balances them (the static round robin would otherwise decide the slowest program).
     # The trailing lengths follow the token order already: consecutive tokens, alike lengths.
-    has_len = int(topk_length is not None)
-    if not has_len and TRAILING_MASKED_SKIPPED:
-        topk_length, has_len = trailing_lengths(indices, kv.shape[0]), 2
-    order = balanced_order(topk_length, T, grid[0], triton.cdiv(H, BLOCK_H)) if has_len == 1 else None
+    trailing = topk_length is None and TRAILING_MASKED_SKIPPED
+    if trailing:
+        topk_length = trailing_lengths(indices, kv.shape[0])
+    order = balanced_order(topk_length, T, grid[0], triton.cdiv(H, BLOCK_H)) \
+        if topk_length is not None and not trailing else None
     _sparse_mla_fwd_gluon_kernel[grid](
         *args, topk_length if topk_length is not None else indices, order if order is not None else indices,
-        D=dv, HAS_SINK=attn_sink is not None, HAS_LEN=has_len, ROPE=D - dv,
-        DEAD=dead_odd_block(indices.shape[1], has_len > 0),
+        # (HAS_LEN 2: lengths in token order; the default builds keep their bool key)
+        D=dv, HAS_SINK=attn_sink is not None, HAS_LEN=2 if trailing else topk_length is not None, ROPE=D - dv,
+        DEAD=dead_odd_block(indices.shape[1], topk_length is not None),
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
     return out, lse
