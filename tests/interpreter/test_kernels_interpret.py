@@ -443,12 +443,12 @@ def test_delta_launch_finds_each_tokens_trailing_masked_slots_interpreted(idx_dt
 
 @pytest.mark.parametrize("T, K, idx_dtype, noncontig",
                          [(40, 300, torch.int32, False), (17, 130, torch.int64, True),
-                          (5, 0, torch.int32, False), (33, 64, torch.int32, False)],
-                         ids=["i32", "i64-strided", "K0", "K64"])
+                          (5, 0, torch.int32, False), (33, 600, torch.int32, False)],
+                         ids=["i32", "i64-strided", "K0", "K600"])
 def test_trailing_lengths_launch_interpreted(T, K, idx_dtype, noncontig):
     """``common.trailing_lengths`` (the forward's trailing-slots option): 1 + each token's
     last slot with an id in [0, N) (0 where none is), over T and K not multiples of its
-    16-token, 64-slot blocks, int32 and int64 ids, a strided ids tensor, K = 0."""
+    4-token, 256-slot blocks, int32 and int64 ids, a strided ids tensor, K = 0."""
     from dsv4_sparse_attn.kernels.common import trailing_lengths as launch_lengths
     from kernel_checks import make_indices
 

@@ -216,6 +216,8 @@ def trailing_lengths(indices: torch.Tensor, N: int) -> torch.Tensor:
     T, K = indices.shape
     out = torch.empty(T, dtype=torch.int32, device=indices.device)
     if T:
-        _trailing_lengths_kernel[(triton.cdiv(T, 16),)](
-            indices, out, T, N, K, indices.stride(0), indices.stride(1), BLOCK_T=16, BLOCK_K=64, num_warps=4)
+        # (4 tokens x 256 slots a step, 4 KB of int32 ids: a few dependent loads a program,
+        # and at T = 4096 eight programs an SM to hide them)
+        _trailing_lengths_kernel[(triton.cdiv(T, 4),)](
+            indices, out, T, N, K, indices.stride(0), indices.stride(1), BLOCK_T=4, BLOCK_K=256, num_warps=4)
     return out
