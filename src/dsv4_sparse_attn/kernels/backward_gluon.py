@@ -1565,24 +1565,6 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     cut = SPLIT_REMAINDER if split_remainder is None else split_remainder
     rope = D - grad_out.shape[-1]
     nb = triton.cdiv(K, BLOCK_K)
-    if in_order and cut and partial is None and not exact and trace is None and programs is None:
-        # The lengths' build has no parts (with them its split schedules reload values in
-        # the block loop): the whole rounds take the lengths, the remainder's tiles then
-        # run without them, cut into parts, on every program (ids past a length are masked).
-        sp_fast = _split(False, split, n_hb, K) if rope == 0 else 0
-        parts_ok = rope == 0 and not _transposed(_head_pad(H, head_pad), sp_fast, rope, False, transposed)
-        n_full, n_parts = _remainder_parts(n_tiles, grid, nb, parts_ok)
-        if n_parts > 1 and n_full % n_hb == 0:
-            common = dict(lines=lines, evict_last=evict_last, split=split, qd_tma=qd_tma, qd_early=qd_early,
-                          dq_tma=dq_tma, ablate=ablate, head_pad=head_pad, transposed=transposed, cache=cache,
-                          pairs_code=pairs_code, dq_parts=dq_parts)
-            n_whole = n_full // n_hb
-            launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, None, flags, t_begin, n_whole, scale,
-                   scale_log2, paired, topk_length=topk_length, in_order=True, **common)
-            # (a ticket of its own: the fast mode's flags past the first are not read)
-            launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, None, flags[1:], t_begin + n_whole,
-                   n_tok - n_whole, scale, scale_log2, paired, split_remainder=True, programs=grid, **common)
-            return
     if topk_length is not None and order is None and not in_order:
         if tokens is None:
             tokens = torch.arange(t_begin, t_begin + n_tok, device=q.device, dtype=torch.int32)
@@ -1624,9 +1606,24 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         if tuple(trace.shape) != want or trace.dtype != torch.int64:
             raise ValueError(f"trace: int64 {want}, got {trace.dtype} {tuple(trace.shape)}")
         ablate = int(ablate) | 16
-    n_full, n_parts = _remainder_parts(n_tiles, grid, nb,
-                                       cut and partial is None and topk_length is None and rope == 0
-                                       and not trans)
+    parts_ok = cut and partial is None and rope == 0 and not trans
+    if in_order and parts_ok and not exact and trace is None and programs is None:
+        # The lengths' build has no parts (with them its split schedules reload values in
+        # the block loop): the whole rounds take the lengths, the remainder's tiles then
+        # run without them, cut into parts, on every program (ids past a length are masked).
+        n_full, n_parts = _remainder_parts(n_tiles, grid, nb, True)
+        if n_parts > 1 and n_full % n_hb == 0:
+            common = dict(lines=lines, evict_last=evict_last, split=split, qd_tma=qd_tma, qd_early=qd_early,
+                          dq_tma=dq_tma, ablate=ablate, head_pad=head_pad, transposed=transposed, cache=cache,
+                          pairs_code=pairs_code, dq_parts=dq_parts)
+            n_whole = n_full // n_hb
+            launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, None, flags, t_begin, n_whole, scale,
+                   scale_log2, paired, topk_length=topk_length, in_order=True, **common)
+            # (a ticket of its own: the fast mode's flags past the first are not read)
+            launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, None, flags[1:], t_begin + n_whole,
+                   n_tok - n_whole, scale, scale_log2, paired, split_remainder=True, programs=grid, **common)
+            return
+    n_full, n_parts = _remainder_parts(n_tiles, grid, nb, parts_ok and topk_length is None)
     n_units = n_full + (n_tiles - n_full) * n_parts
     dqf = (torch.empty((n_units - n_full, BLOCK_H, D), dtype=torch.float32, device=q.device)
            if n_units > n_full else acc)
