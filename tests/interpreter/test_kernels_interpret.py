@@ -495,6 +495,7 @@ def test_backward_skips_trailing_masked_slots_interpreted(monkeypatch, determini
         return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main,
                                    deterministic=deterministic)
 
+    monkeypatch.setattr(kbwd, "TRAILING_MASKED_SKIPPED", False)
     plain = run()
     assert seen == [(False, None)] * len(seen) and seen
     monkeypatch.setattr(kbwd, "TRAILING_MASKED_SKIPPED", True)
