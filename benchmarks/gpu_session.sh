@@ -26,6 +26,8 @@
 #                                          # folder: TRITON_NEXT_TAR=.t38; an experiment
 #                                          # instead: TRITON_NEXT_BENCH=script.py, after
 #                                          # the GPU tests TRITON_NEXT_TESTS=-k expression)
+# Any part: TCACHE_OUT=1 returns the compiled kernels ($OUT/triton_cache.tar.xz), which a
+# fresh machine unpacks from .tcache/ (carry ".tcache") instead of compiling them again.
 # bench and sweep write benchmarks/results/*.json; report.py then rewrites README.md's
 # performance section and docs/performance/bench.png (from the H200's newest runs first:
 # on another GPU the README keeps them; report.py --gpu). All three come back under $OUT
@@ -38,6 +40,13 @@ export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # Compiled kernels kept in the checkout (git-ignored): a later call on the same machine reuses them.
 export TRITON_CACHE_DIR=$PWD/.cache/triton
+# A fresh machine takes the kernels an earlier one compiled (benchmarks/triton_cache.py; the
+# call carries ".tcache"), and then compiles only those whose source changed since.
+# TCACHE_OUT=1: the cache back as $OUT/triton_cache.tar.xz when the call ends (if within the
+# 16 MiB a returned file may hold); copy it to .tcache/ for the next calls.
+if [ -f .tcache/triton_cache.tar.xz ] && [ ! -d "$TRITON_CACHE_DIR" ]; then
+  timeout 120 python3 benchmarks/triton_cache.py unpack .tcache/triton_cache.tar.xz "$TRITON_CACHE_DIR" || true
+fi
 # The image's default g++ (/opt/gcc) builds AOTInductor packages that segfault when loaded.
 [ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++
 # A copied working tree may carry an older .git: results name the commit written to
@@ -55,6 +64,17 @@ report() {  # README section and figure from the newest results; everything back
   cp README.md "$OUT/README.md"
   cp docs/performance/bench.png "$OUT/bench.png" 2>/dev/null
 }
+
+tcache_out() {  # (on EXIT) the compiled kernels back, with TCACHE_OUT=1
+  [ "${TCACHE_OUT:-0}" = 1 ] && [ -d "$TRITON_CACHE_DIR" ] || return 0
+  timeout 180 python3 benchmarks/triton_cache.py pack "$TRITON_CACHE_DIR" /tmp/triton_cache.tar.xz || return 0
+  if [ "$(stat -c %s /tmp/triton_cache.tar.xz)" -le $((16 * 1024 * 1024)) ]; then
+    cp /tmp/triton_cache.tar.xz "$OUT/"
+  else
+    echo "triton cache: over the 16 MiB a returned file may hold, not sent"
+  fi
+}
+trap tcache_out EXIT
 
 tests_passed() {  # whether the pytest tail in file $1 reports passes and no failure or error
   grep -q " passed" "$1" && ! grep -q -E "failed|error" "$1"

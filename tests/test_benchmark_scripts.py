@@ -17,7 +17,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
 SCRIPTS = ["bench.py", "report.py", "heads_sweep.py", "profile_bwd.py", "sanitize_case.py",
-           "fsdp_step_time.py", "features_bench.py"]
+           "fsdp_step_time.py", "features_bench.py", "triton_cache.py"]
 GPU_ONLY = ["bench.py", "heads_sweep.py", "profile_bwd.py", "sanitize_case.py", "features_bench.py"]
 # What the scripts may import: the standard library, torch, triton, matplotlib, each other,
 # and of the package its public modules (dispatch and Call: only to name the kernel that ran).
@@ -243,3 +243,23 @@ def test_source_digest_names_the_code(tmp_path):
     (tmp_path / "kernels" / "b.py").rename(tmp_path / "kernels" / "c.py")
     assert len({d0, d1, bench.source_digest(str(tmp_path))}) == 3
     assert len(bench.source_digest()) == 64  # (the package itself)
+
+
+def test_triton_cache_round_trip_names_the_new_folder(tmp_path):
+    """triton_cache.py: a cache packed in one folder and unpacked in another lists each
+    kernel's files under the new folder (Triton takes a listed path that does not exist
+    for a miss, so a cache from another machine would otherwise never hit)."""
+    import json
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    entry = old / "KEY"
+    entry.mkdir(parents=True)
+    (entry / "k.cubin").write_bytes(b"\x7fELF")
+    (entry / "__grp__k.json").write_text(json.dumps({"child_paths": {"k.cubin": str(entry / "k.cubin")}}))
+    tarball = tmp_path / "c.tar.xz"
+    for args in (("pack", old, tarball), ("unpack", tarball, new)):
+        r = run("triton_cache.py", *map(str, args))
+        assert r.returncode == 0, r.stderr[-2000:]
+    group = json.loads((new / "KEY" / "__grp__k.json").read_text())
+    assert group == {"child_paths": {"k.cubin": str(new / "KEY" / "k.cubin")}}
+    assert (new / "KEY" / "k.cubin").read_bytes() == b"\x7fELF"
