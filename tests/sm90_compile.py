@@ -237,6 +237,9 @@ def _compile_sm90(jit_fn, types, constexprs, num_warps, num_stages, div16, run_p
         tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global", ptx)),
         # atomics with acquire-release semantics at GPU scope (the backward epilogue's ticket)
         acq_rel_atomics=len(re.findall(r"atom\.global\.gpu\.acq_rel\.", ptx)),
+        # programmatic dependent launch: the signal to the next launch, the wait for the one before
+        pdl_signals=len(re.findall(r"griddepcontrol\.launch_dependents", ptx)),
+        pdl_waits=len(re.findall(r"griddepcontrol\.wait", ptx)),
         ptx_sha=ptx_fingerprint(ptx),
     )  # (left None only when run_ptxas is off)
     if run_ptxas:
@@ -332,7 +335,8 @@ def compile_forward_gluon(has_sink=True, run_ptxas=True, has_len=False, rope=0, 
 
 def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None, rope=0,
                            evict_last=False, split=0, qd_tma=False, qd_early=0, dq_tma=False, hp=64,
-                           trans=False, parts=False, paired=False, ablate=0, exact=False, p16=False) -> dict:
+                           trans=False, parts=False, paired=False, ablate=0, exact=False, p16=False,
+                           pdl=0) -> dict:
     """``red``: the fast mode (16-byte reductions, in whole lines unless ``lines`` is False;
     default: as the launcher does); else the deterministic partial rows. ``paired``: the
     build of a launch with head-block pairs (deterministic, H = 128; else, as the launcher
@@ -340,13 +344,15 @@ def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None,
     measurement-only option (``launch(ablate=...)``), with the reductions it selects.
     ``exact``: the deterministic mode's exact two-word sums (``launch(exact_codes=...)``:
     the reductions of the fast mode's build, PARTIAL the int32 codes). ``p16``: the
-    deterministic mode's 16-bit partial rows (``launch(partial_exp=...)``: PARTIAL fp16)."""
+    deterministic mode's 16-bit partial rows (``launch(partial_exp=...)``: PARTIAL fp16).
+    ``pdl``: the kernel's ``PDL`` (1: it signals its dependent launch at its start; 2: it
+    waits for the launch before it at its end; ``launch(pdl=...)``)."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
     from dsv4_sparse_attn.kernels import hopper
 
     consts = dict(D=512, RED=G._red(not red, lines, ablate, exact), ABL=ablate, HAS_LEN=has_len, ROPE=rope,
                   EVICT_LAST=evict_last, SPLIT=split, HP=hp, TRANS=trans, PARTS=parts,
-                  PAIRS=G._pairs_code(paired, not red, rope, rows16=p16 and bool(dq_tma)))
+                  PAIRS=G._pairs_code(paired, not red, rope, rows16=p16 and bool(dq_tma)), PDL=pdl)
     types = BWD_TYPES
     if exact or p16:
         types = dict(BWD_TYPES, PARTIAL="*i32" if exact else "*fp16")

@@ -549,6 +549,28 @@ def test_gluon_backward_v32_compiles_for_sm90(red, dq_tma):
 
 
 @pytest.mark.parametrize("split", [0, 2], ids=["unsplit", "double"])
+def test_gluon_backward_remainder_launch_pdl_compile_for_sm90(split):
+    """The two launches of lengths in token order (``launch(in_order=True)`` with
+    ``REMAINDER_PDL``): the whole rounds' build (``HAS_LEN`` 2) signals its dependent launch
+    once, the remainder's parts build waits for the launch before it once, and neither
+    changes a block loop (the same instructions, no reload more) nor serialises a wgmma."""
+    from dsv4_sparse_attn.kernels import backward_gluon
+
+    if split and not backward_gluon._split(False, None, 1, 1024):
+        pytest.skip("this Triton's fast mode runs the unsplit schedule")
+    for opts, pdl, signals, waits in ((dict(has_len=2), 1, 1, 0), (dict(parts=True), 2, 0, 1)):
+        base = compile_backward_gluon(red=True, split=split, dq_tma=True, **opts)
+        r = compile_backward_gluon(red=True, split=split, dq_tma=True, pdl=pdl, **opts)
+        assert (r["pdl_signals"], r["pdl_waits"]) == (signals, waits), (opts, r)
+        assert (base["pdl_signals"], base["pdl_waits"]) == (0, 0), (opts, base)
+        assert r["wgmma_serialized"] is False and r["shared"] == base["shared"], (opts, r, base)
+        assert len(r["mma_loops"]) == len(base["mma_loops"]), (opts, r["mma_loops"])
+        for lp, lb in zip(r["mma_loops"], base["mma_loops"]):
+            assert (lp["HGMMA"], lp["REDG4"]) == (lb["HGMMA"], lb["REDG4"]), (opts, lp, lb)
+            assert lp["LDL"] <= lb["LDL"], (opts, lp, lb)
+
+
+@pytest.mark.parametrize("split", [0, 2], ids=["unsplit", "double"])
 def test_gluon_backward_remainder_parts_compile_for_sm90(split):
     """The fast mode's build with the remainder's tiles in parts (``PARTS``: a part's dQ in
     fp32 through a run-time branch at the tile's end): the block loops as without (the same

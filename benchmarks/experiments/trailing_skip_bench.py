@@ -41,6 +41,13 @@ REPS = int(os.environ.get("TRAIL_REPS", "2"))
 # with the option (with it, by default, the whole rounds take the lengths and the remainder's
 # tiles a launch of their own in parts: backward_gluon.launch(in_order=True))
 NO_PARTS = os.environ.get("TRAIL_NO_PARTS") == "1"
+# TRAIL_NO_PDL=1: one more arm, the option with the remainder's launch started only once the
+# whole rounds' launch has ended (``backward_gluon.launch(pdl=False)``), as before
+# ``REMAINDER_PDL``. Prediction (H100, 5a5f469: with that launch the option cost 1-3.3% where
+# every slot is valid, and without parts at all it was level with the call without parts):
+# with the early start the option within 0.5% of the call without it there, the causal rows
+# as before or better
+NO_PDL = os.environ.get("TRAIL_NO_PDL") == "1"
 
 for T, H, K, ids in ROWS:
     D = 512
@@ -87,6 +94,12 @@ for T, H, K, ids in ROWS:
             for k in range(REPS):
                 r[f"{label}_ms_{k}"] = round(triton.testing.do_bench(c, warmup=3, rep=100,
                                                                      return_mode="median"), 4)
+
+    if NO_PDL:
+        c = arm(False, True, pdl=False)
+        for k in range(REPS):
+            ms = triton.testing.do_bench(c, warmup=3, rep=100, return_mode="median")
+            r[f"fast_skip_nopdl_ms_{k}"] = round(ms, 4)
 
     for mode, det in (("fast", False), ("det", True)):
         a, b = arm(det, False), arm(det, True)

@@ -1280,6 +1280,7 @@ def _bwd_main_gluon_kernel(
     TRANS: gl.constexpr = False,
     PARTS: gl.constexpr = False,
     PAIRS: gl.constexpr = True,
+    PDL: gl.constexpr = 0,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
@@ -1344,6 +1345,9 @@ def _bwd_main_gluon_kernel(
     # program_id: the program holding a pair's odd tile then knows the one holding the
     # even tile (the rank below) has started, so its wait always ends.
     rank = gl.atomic_add(FLAGS, 1, sem="relaxed")
+    if PDL == 1:  # the launch after this one (PDL 2) may start on the SMs this grid leaves
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r", [rank],
+                                  dtype=gl.int32, is_pure=False, pack=1)
     sizes = (H, N, K)
     c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, EXP), sizes,
               (stride_it, stride_lt, stride_gt, stride_gh),
@@ -1390,6 +1394,10 @@ def _bwd_main_gluon_kernel(
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
                                          HP, TRANS, PARTS, PAIRS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
+    if PDL == 2:  # (launched early beside the grid before it) ends only after that grid has
+        # ended and its writes are visible, so the launches after this one see both
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,r", [rank],
+                                  dtype=gl.int32, is_pure=False, pack=1)
 
 
 def rejects(call) -> str | None:
@@ -1493,13 +1501,21 @@ def exact_sums_ok(W: int, D: int) -> bool:
 LAUNCH_CACHE = True  # ``launch`` takes ``cache``
 DEFERS_DQ_PARTS = True  # ``launch`` takes ``dq_parts``
 IN_ORDER = True  # ``launch`` takes ``in_order``
+# With lengths in token order the remainder's parts run in a launch after the whole rounds'
+# (``launch(in_order=True)``); True: that launch starts on each SM as the whole rounds'
+# program there ends (programmatic dependent launch: the first launch signals at its start,
+# the second waits for it only at its end, so the launches after both see both), as the
+# parts do in a single launch. False: it starts once the last of them has ended
+# (H100, 5a5f469: 1-3.3% more time than the call without lengths where every slot is
+# valid, docs/performance/backward.md#the-remainders-tiles-in-a-launch-of-their-own).
+REMAINDER_PDL = True
 
 
 def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, scale,
            scale_log2, paired, topk_length=None, tokens=None, lines=None, order=None, evict_last=None,
            split=None, qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None, head_pad=None,
            transposed=None, cache=None, split_remainder=None, pairs_code=None, dq_parts=None,
-           exact_codes=None, partial_exp=None, in_order=False, programs=None):
+           exact_codes=None, partial_exp=None, in_order=False, programs=None, pdl=None, _pdl=0):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -1542,7 +1558,10 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     lengths only skip blocks: the ids past them must be masked, since the tiles past the
     last whole round of programs ignore them, cut into parts (``split_remainder``) in a
     launch of their own. ``programs``: the launch's program count (default one an SM, at
-    most a tile each: ``_programs``)."""
+    most a tile each: ``_programs``). ``pdl``: whether that launch of the remainder's parts
+    starts on the SMs the whole rounds' programs leave as they end, by programmatic
+    dependent launch (default ``REMAINDER_PDL``); without it the parts start once the last
+    whole-round program has ended, as in no single launch."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
@@ -1617,11 +1636,13 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
                           dq_tma=dq_tma, ablate=ablate, head_pad=head_pad, transposed=transposed, cache=cache,
                           pairs_code=pairs_code, dq_parts=dq_parts)
             n_whole = n_full // n_hb
+            early = REMAINDER_PDL if pdl is None else bool(pdl)
             launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, None, flags, t_begin, n_whole, scale,
-                   scale_log2, paired, topk_length=topk_length, in_order=True, **common)
+                   scale_log2, paired, topk_length=topk_length, in_order=True, _pdl=int(early), **common)
             # (a ticket of its own: the fast mode's flags past the first are not read)
             launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, None, flags[1:], t_begin + n_whole,
-                   n_tok - n_whole, scale, scale_log2, paired, split_remainder=True, programs=grid, **common)
+                   n_tok - n_whole, scale, scale_log2, paired, split_remainder=True, programs=grid,
+                   _pdl=2 if early else 0, **common)
             return
     n_full, n_parts = _remainder_parts(n_tiles, grid, nb, parts_ok and topk_length is None)
     n_units = n_full + (n_tiles - n_full) * n_parts
@@ -1644,7 +1665,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         HP=hp, TRANS=trans, PARTS=n_units > n_full,
         PAIRS=_pairs_code(paired, partial is not None, rope, pairs_code,
                           rows16=partial_exp is not None and bool(dq_by_tma)),
-        num_warps=NUM_WARPS, maxnreg=MAXNREG,
+        PDL=_pdl, num_warps=NUM_WARPS, maxnreg=MAXNREG, **({"launch_pdl": True} if _pdl == 2 else {}),
     )
     if n_units > n_full:  # the remainder tiles' dQ: their parts summed in order
         job = DqParts(dqf, grad_q, t_begin, n_full, n_parts, n_tiles - n_full, n_hb, BLOCK_H)
