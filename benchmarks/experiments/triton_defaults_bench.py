@@ -21,9 +21,10 @@ Arms (``backward_gluon.launch`` overrides; "fast" and "det" are whatever this Tr
                (``pairs_code=True``: 3.9's build before 2026-12-05; the same build elsewhere)
   det_16       deterministic with 16-bit partial rows, where this Triton's default is fp32
                rows (3.6 takes them by default: ``backward_gluon.partial16_default``)
-  det_nopairs  the same without that code (``pairs_code=False``: 3.9's build; under 3.6,
-               split 1 with dQ by TMA, a block loop of 1514 instructions instead of 2081,
-               no reload either way: predicted faster where the loop's issue bounds it)
+  det_nopairs  the same without that code (``pairs_code=False``: 3.9's build; under 3.6
+               with fp32 rows, split 1 with dQ by TMA, a block loop of 1514 instructions
+               instead of 2081, no reload either way: timed within 0.5%; with 16-bit rows at
+               64 heads a tile its build serialises the wgmmas: +22% at H64 K640, H100, 5a5f469)
   fast_nopairs the fast default without the pairs' code (``pairs_code=False``:
                3.9's fast build; under 3.6, split 2 with dQ by TMA, 2379 instructions a
                block loop instead of 2483, no reload either way: predicted level, L2-bound)

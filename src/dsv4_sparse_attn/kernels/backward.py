@@ -45,11 +45,10 @@ EXACT_SUMS = False
 # Without lengths, the main kernel leaves out each token's trailing masked slots: the Delta
 # launch finds them (1 + the last slot with a valid id) and the main kernel takes them as
 # lengths in token order (a main kernel with ``IN_ORDER``; ``launch(in_order=True)``). A
-# causal indexer's ids end in -1 until its pool fills. Off: -7% / -27% of the time with
-# causal ids at H64 K640 / H128 K1152 (T = 4096, H200), but up to +7% where every slot is
-# valid (docs/performance/backward.md#the-trailing-length-from-the-delta-launch-measured-off),
-# measured before the remainder's tiles got their parts back in a launch of their own
-# (docs/performance/backward.md#the-remainders-tiles-in-a-launch-of-their-own: not timed yet).
+# causal indexer's ids end in -1 until its pool fills. Off: -8% / -28% of the fast mode's
+# time with causal ids at H64 K640 / H128 K1152 (T = 4096, H100), but +0.8-1.2% where every
+# slot is valid, and the deterministic mode +7% at K = 160
+# (docs/performance/backward.md#the-remainders-launch-started-early-pdl).
 TRAILING_MASKED_SKIPPED = False
 
 # The deterministic mode's partial rows in 16 bits (fp16, a power-of-two scale a 64-column

@@ -1765,8 +1765,9 @@ def _pairs_code(paired: bool, deterministic: bool, rope: int = 0, pairs_code=Non
     docs/performance/backward.md#defaults-by-triton-version-static).
     Not the deterministic 576/512 build, which without it serialises its wgmmas under 3.9,
     nor under 3.6-3.8, whose builds stay as measured (with the pairs' flags runtime zeros;
-    under 3.6 leaving them out shortens the loops, 2081 -> 1514 instructions in the
-    deterministic split 1, with no reload: untimed, a candidate). Nor the 576/512 build
+    under 3.6 leaving them out shortens the fp32 rows' loops with no reload, but was timed
+    within 0.5%, and with 16-bit rows at 64 heads a tile it serialises the wgmmas: +22% at
+    H64 K640, H100). Nor the 576/512 build
     with 16-bit rows and dQ by TMA (``rows16``; such rows never pair): with the code its
     block loops reload a value each (Triton 3.6), without it none (with dQ's plain stores,
     without it the wgmmas serialise). ``pairs_code`` (default ``PAIRS_CODE``)
