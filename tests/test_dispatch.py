@@ -644,7 +644,8 @@ def test_gluon_backward_lengths_in_token_order_leave_the_remainder_to_parts(monk
         def __getitem__(self, grid):
             def run(*args, **kw):
                 seen.append(dict(grid=grid, flags=args[9].data_ptr(), t_begin=args[20], n_tiles=args[21],
-                                 units=args[23:26], HAS_LEN=kw["HAS_LEN"], PARTS=kw["PARTS"]))
+                                 units=args[23:26], HAS_LEN=kw["HAS_LEN"], PARTS=kw["PARTS"], PDL=kw["PDL"],
+                                 launch_pdl=kw.get("launch_pdl", False)))
             return run
 
     monkeypatch.setattr(backward_gluon, "_bwd_main_gluon_kernel", Kernel())
@@ -665,6 +666,24 @@ def test_gluon_backward_lengths_in_token_order_leave_the_remainder_to_parts(monk
     assert len({r["flags"] for r in seen}) == len(seen)  # a zeroed ticket each
     assert [(j.t_begin, j.n_full, j.n_parts, j.n_rem) for j in jobs] == [
         (r[0], 0, r[6], r[1] * (H // 64)) for r in launches if r[3]]
+    # (two launches: the parts' one a programmatic dependent launch, REMAINDER_PDL)
+    pdl = [(1, False), (2, True)] if len(seen) == 2 else [(0, False)]
+    assert [(r["PDL"], r["launch_pdl"]) for r in seen] == pdl
+
+
+@pytest.mark.parametrize("peel", [False, True])
+def test_gluon_forward_last_pair_apart_only_with_lengths(peel):
+    """``forward_gluon.PEEL_LAST_PAIR``: with lengths the ``DEAD`` 2 build (the tile's last
+    pair apart from its loop); without lengths the dead-block build stays as it is (K % 128
+    in [1, 64]), and K with no dead block takes none."""
+    saved = forward_gluon.PEEL_LAST_PAIR
+    forward_gluon.PEEL_LAST_PAIR = peel
+    try:
+        assert forward_gluon._dead(640, True) == (2 if peel else True)
+        assert forward_gluon._dead(160, False) is True
+        assert forward_gluon._dead(640, False) is False
+    finally:
+        forward_gluon.PEEL_LAST_PAIR = saved
 
 
 @pytest.mark.parametrize("option, given", [(True, False), (True, True), (False, False)])
