@@ -1506,8 +1506,8 @@ IN_ORDER = True  # ``launch`` takes ``in_order``
 # program there ends (programmatic dependent launch: the first launch signals at its start,
 # the second waits for it only at its end, so the launches after both see both), as the
 # parts do in a single launch. False: it starts once the last of them has ended
-# (H100, 5a5f469: 1-3.3% more time than the call without lengths where every slot is
-# valid, docs/performance/backward.md#the-remainders-tiles-in-a-launch-of-their-own).
+# (H100: the option cost 1.9-3.2% where every slot is valid that way, 0.8-1.2% with this,
+# docs/performance/backward.md#the-remainders-launch-started-early-pdl).
 REMAINDER_PDL = True
 
 
@@ -1561,7 +1561,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     most a tile each: ``_programs``). ``pdl``: whether that launch of the remainder's parts
     starts on the SMs the whole rounds' programs leave as they end, by programmatic
     dependent launch (default ``REMAINDER_PDL``); without it the parts start once the last
-    whole-round program has ended, as in no single launch."""
+    whole-round program has ended (a single launch has no such wait)."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
