@@ -176,6 +176,27 @@ def test_compile_reduce_overhead_uses_cudagraphs(deterministic):
     torch._dynamo.reset()
 
 
+def _replays_match_eager(step, static, inputs):
+    """``step(static)`` (the ops' out, lse, grad_q, grad_kv and grad_sink) captured in a
+    CUDA graph after a warm-up on a side stream; each of ``inputs`` ({seed: tensor}) copied
+    into ``static`` and replayed gives what an eager ``step`` on it gives."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(static)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(static)
+    for seed, new in inputs.items():
+        static.copy_(new)
+        graph.replay()
+        want = step(new)
+        torch.cuda.synchronize()
+        for name, a, b in zip(("out", "lse", "grad_q", "grad_kv", "grad_sink"), static_out, want):
+            assert relerr(a, b) <= 1e-3, (seed, name)
+
+
 def test_lengths_without_host_sync_and_under_capture(deterministic):
     """topk_length at D = 512 (the Gluon kernels on sm_90, with their length-ordered tile
     schedule): forward and backward ops with no host sync, and captured in a CUDA graph
@@ -203,24 +224,10 @@ def test_lengths_without_host_sync_and_under_capture(deterministic):
     finally:
         torch.cuda.set_sync_debug_mode(old)
 
-    static_len = length.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step(static_len)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step(static_len)
-    for seed in (9, 10):
-        new = torch.randint(0, Kn + 1, (Tn,), device="cuda", dtype=torch.int32,
+    _replays_match_eager(step, length.clone(), {
+        seed: torch.randint(0, Kn + 1, (Tn,), device="cuda", dtype=torch.int32,
                             generator=torch.Generator(device="cuda").manual_seed(seed))
-        static_len.copy_(new)
-        graph.replay()
-        want = step(new)
-        torch.cuda.synchronize()
-        for name, a, b in zip(("out", "lse", "grad_q", "grad_kv", "grad_sink"), static_out, want):
-            assert relerr(a, b) <= 1e-3, (seed, name)
+        for seed in (9, 10)})
 
 
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "after"])
@@ -256,22 +263,6 @@ def test_trailing_masked_slots_under_capture(monkeypatch, pdl):
             grads = torch.ops.dsv4.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink)
             return (out, lse) + tuple(grads)
 
-        static_idx = ids(12)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step(static_idx)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = step(static_idx)
-        for seed in (13, 14):
-            new = ids(seed)
-            static_idx.copy_(new)
-            graph.replay()
-            want = step(new)
-            torch.cuda.synchronize()
-            for name, a, b in zip(("out", "lse", "grad_q", "grad_kv", "grad_sink"), static_out, want):
-                assert relerr(a, b) <= 1e-3, (seed, name)
+        _replays_match_eager(step, ids(12), {seed: ids(seed) for seed in (13, 14)})
     finally:
         dsv4_sparse_attn.set_deterministic_backward(None)
