@@ -104,6 +104,29 @@ def test_best_of_ab_gives_every_arm_an_early_and_a_late_place():
     assert got == {"a": 0.5, "b": 2.0, "c": 1.0}
 
 
+def test_with_flags_sets_a_modules_options_for_the_call_only():
+    """``side_by_side.with_flags`` (an option arm of the experiments): the module's attributes
+    hold the given values while the call runs, and their old values after it, also when the
+    call raises."""
+    import types
+
+    sys.path.insert(0, os.path.join(BENCHMARKS, "experiments"))
+    try:
+        import side_by_side
+    finally:
+        sys.path.remove(os.path.join(BENCHMARKS, "experiments"))
+    m = types.SimpleNamespace(A=1, B="x")
+    seen = []
+    arm = side_by_side.with_flags(m, lambda k: seen.append((m.A, m.B, k)) or k + 1, A=2, B="y")
+    assert arm(5) == 6 and seen == [(2, "y", 5)] and (m.A, m.B) == (1, "x")
+
+    def fails():
+        raise RuntimeError(m.A)
+    with pytest.raises(RuntimeError, match="3"):
+        side_by_side.with_flags(m, fails, A=3)()
+    assert (m.A, m.B) == (1, "x")
+
+
 def test_pool_inputs_are_the_long_context_rows_inputs():
     """``side_by_side.pool_inputs`` (the L2 experiments' tensors): T raw rows then
     max(T // 4, K) pool rows; causal pool ids below T + t // 4 or -1; the same tensors

@@ -25,7 +25,7 @@ import triton
 
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import forward_gluon
-from side_by_side import pool_inputs
+from side_by_side import pool_inputs, with_flags
 
 for T, H, K in ((4096, 64, 640), (4096, 128, 1152), (4096, 64, 2048), (4096, 128, 512)):
     D = 512
@@ -36,13 +36,8 @@ for T, H, K in ((4096, 64, 640), (4096, 128, 1152), (4096, 64, 2048), (4096, 128
 
     def fwd(peel, lengths=None, trailing=False):
         def run():
-            saved = forward_gluon.PEEL_LAST_PAIR, forward_gluon.TRAILING_MASKED_SKIPPED
-            forward_gluon.PEEL_LAST_PAIR, forward_gluon.TRAILING_MASKED_SKIPPED = peel, trailing
-            try:
-                return forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, topk_length=lengths)
-            finally:
-                forward_gluon.PEEL_LAST_PAIR, forward_gluon.TRAILING_MASKED_SKIPPED = saved
-        return run
+            return forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5, topk_length=lengths)
+        return with_flags(forward_gluon, run, PEEL_LAST_PAIR=peel, TRAILING_MASKED_SKIPPED=trailing)
 
     arms = (("full", fwd(False)), ("len", fwd(False, length)), ("len_apart", fwd(True, length)),
             ("trail", fwd(False, trailing=True)), ("trail_apart", fwd(True, trailing=True)))

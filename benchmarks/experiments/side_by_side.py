@@ -67,6 +67,21 @@ def gluon_backward(q, kv, idx, sink, do, out, lse, scale):
     return run
 
 
+def with_flags(module, run, **flags):
+    """``run`` with ``module``'s attributes ``flags`` set for the call and restored after it
+    (a module-level option, e.g. ``forward_gluon.TRAILING_MASKED_SKIPPED``, as an arm)."""
+    def call(*args, **kw):
+        saved = {name: getattr(module, name) for name in flags}
+        for name, value in flags.items():
+            setattr(module, name, value)
+        try:
+            return run(*args, **kw)
+        finally:
+            for name, value in saved.items():
+                setattr(module, name, value)
+    return call
+
+
 def env_shapes(default):
     """(T, H, K) triples from the environment's SHAPES ("T,H,K;T,H,K", to run fewer in a short
     call), else ``default``."""

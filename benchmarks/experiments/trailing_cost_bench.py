@@ -16,7 +16,7 @@ import triton
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import forward_gluon
 from dsv4_sparse_attn.kernels.common import trailing_lengths
-from side_by_side import pool_inputs
+from side_by_side import pool_inputs, with_flags
 
 for T, H, K in ((4096, 64, 640), (4096, 128, 512), (4096, 128, 1152), (4096, 64, 160)):
     D = 512
@@ -25,14 +25,8 @@ for T, H, K in ((4096, 64, 640), (4096, 128, 512), (4096, 128, 1152), (4096, 64,
     r = dict(T=T, H=H, K=K)
 
     def fwd(on):
-        def run():
-            saved = forward_gluon.TRAILING_MASKED_SKIPPED
-            forward_gluon.TRAILING_MASKED_SKIPPED = on
-            try:
-                return forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
-            finally:
-                forward_gluon.TRAILING_MASKED_SKIPPED = saved
-        return run
+        return with_flags(forward_gluon, lambda: forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5),
+                          TRAILING_MASKED_SKIPPED=on)
 
     arms = (("off", fwd(False)), ("on", fwd(True)), ("lengths", lambda: trailing_lengths(idx, N)))
     for k in range(2):

@@ -30,7 +30,7 @@ import triton
 import dsv4_sparse_attn  # noqa: F401
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon, forward_gluon
-from side_by_side import pool_inputs, relerr
+from side_by_side import pool_inputs, relerr, with_flags
 
 ROWS = [(4096, 64, 640, "causal"), (4096, 128, 1152, "causal"), (4096, 64, 640, "distinct"),
         (4096, 128, 1152, "distinct"), (4096, 64, 160, "random"), (4096, 16, 1152, "distinct"),
@@ -57,25 +57,13 @@ for T, H, K, ids in ROWS:
     r = dict(T=T, H=H, K=K, D=D, ids=ids, valid_slots=round(valid, 4))
 
     def arm(det, on, **opts):
-        def run():
-            saved = kbwd.TRAILING_MASKED_SKIPPED
-            kbwd.TRAILING_MASKED_SKIPPED = on
-            try:
-                return kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
-                                           main=backward_gluon, deterministic=det, **opts)
-            finally:
-                kbwd.TRAILING_MASKED_SKIPPED = saved
-        return run
+        return with_flags(kbwd, lambda: kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
+                                                            main=backward_gluon, deterministic=det, **opts),
+                          TRAILING_MASKED_SKIPPED=on)
 
     def fwd(on):  # the Gluon forward with and without its option (forward_gluon.TRAILING_MASKED_SKIPPED)
-        def run():
-            saved = forward_gluon.TRAILING_MASKED_SKIPPED
-            forward_gluon.TRAILING_MASKED_SKIPPED = on
-            try:
-                return forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5)
-            finally:
-                forward_gluon.TRAILING_MASKED_SKIPPED = saved
-        return run
+        return with_flags(forward_gluon, lambda: forward_gluon.sparse_mla_fwd(q, kv, idx, sink, D ** -0.5),
+                          TRAILING_MASKED_SKIPPED=on)
 
     x, y = fwd(False)(), fwd(True)()
     r["fwd_bitwise"] = torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
