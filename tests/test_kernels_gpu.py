@@ -716,7 +716,7 @@ def test_deterministic_fold_tiles_give_the_same_bits(monkeypatch, gluon, D, d_v)
 
     def run(tile):
         with monkeypatch.context() as m:
-            m.setattr(kbwd, "fold_tile", lambda N, n_sm: tile)
+            m.setattr(kbwd, "fold_tile", lambda N, n_sm, n_part=1: tile)
             m.setattr(kbwd, "FOLD_RUNS", False)
             return kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main)
 

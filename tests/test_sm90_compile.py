@@ -101,7 +101,7 @@ def test_triton_kernels_for_the_v32_layout_compile_for_sm90(H):
 
 
 @pytest.mark.parametrize("D", [512, 576])
-@pytest.mark.parametrize("tile", [(1, 8, 4), (4, 4, 4)])
+@pytest.mark.parametrize("tile", [(1, 8, 4), (1, 4, 4), (4, 4, 4)])
 def test_deterministic_fold_compiles_for_sm90(tile, D):
     """The deterministic fold's tiles (``backward.fold_tile``: one kv row a program, or four
     side by side) at the width they run (``backward.fold_block_d``: whole rows with one row a
@@ -118,7 +118,8 @@ def test_deterministic_fold_compiles_for_sm90(tile, D):
     bd = B.fold_block_d(D, rows)
     assert bd == {(512, 1): 512, (512, 4): 512, (576, 1): 1024, (576, 4): 256}[D, rows]
     r = compile_sm90(B._dkv_reduce_kernel, types,
-                     dict(D=D, BLOCK_D=bd, N_HB=1, MASK_D=D % bd != 0, ROWS=rows, UNROLL=unroll), warps, 1)
+                     dict(D=D, BLOCK_D=bd, N_HB=1, MASK_D=D % bd != 0, ROWS=rows, UNROLL=unroll,
+                          REVERSED=B.FOLD_ROWS_REVERSED), warps, 1)
     in_flight = rows * unroll * bd // (32 * warps)
     assert r["shared"] == 0 and r["registers"] <= (128 if in_flight > 32 else 96) and r["spill_bytes"] <= 8, r
 

@@ -79,7 +79,7 @@ def test_v32_layout_deterministic_fold_interpreted(monkeypatch):
     for partial16 in (False, True):
         results = []
         for tile in ((1, 8, 4), (1, 4, 4), (4, 4, 4)):
-            monkeypatch.setattr(kbwd, "fold_tile", lambda N, n_sm, tile=tile: tile)
+            monkeypatch.setattr(kbwd, "fold_tile", lambda N, n_sm, n_part=1, tile=tile: tile)
             gq, gkv, gs = kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink, D ** -0.5,
                                               main=backward_triton, deterministic=True, partial16=partial16)
             assert gkv.shape == (N, D)
@@ -153,20 +153,36 @@ def _deterministic_backward(T, H, N, K, D, id_hi, d_v=None):
                                        main=backward_triton, deterministic=True)
 
 
-@pytest.mark.parametrize("tile, H", [((2, 4, 4), 3), ((8, 4, 4), 3), ((16, 8, 8), 3), ((4, 4, 4), 70)])
-def test_fold_tiles_give_the_same_bits_interpreted(monkeypatch, tile, H):
+@pytest.mark.parametrize("tile, H, reversed_rows", [
+    ((2, 4, 4), 3, True), ((8, 4, 4), 3, False), ((16, 8, 8), 3, True), ((4, 4, 4), 70, True),
+    ((1, 4, 4), 70, False)])
+def test_fold_tiles_give_the_same_bits_interpreted(monkeypatch, tile, H, reversed_rows):
     """The deterministic fold with several kv rows side by side (what long contexts get,
     ``backward.fold_tile``), N not a multiple of them, rows of different entry counts in a
-    tile and most rows untouched: bitwise the gradients of one row per program, and rows
-    no token selects stay zero. H = 70: two head-block parts per partial row (N_HB = 2)."""
+    tile and most rows untouched, its programs in either row order (``FOLD_ROWS_REVERSED``):
+    bitwise the gradients of one row per program in the default order, and rows no token
+    selects stay zero. H = 70: two head-block parts per partial row (N_HB = 2)."""
     from dsv4_sparse_attn.kernels import backward as kbwd
 
     run = _deterministic_backward(T=5, H=H, N=100, K=7, D=64, id_hi=40)  # rows 40..99 untouched
     one = run()
-    monkeypatch.setattr(kbwd, "fold_tile", lambda N, n_sm: tile)
+    monkeypatch.setattr(kbwd, "fold_tile", lambda N, n_sm, n_part=1: tile)
+    monkeypatch.setattr(kbwd, "FOLD_ROWS_REVERSED", reversed_rows)
     many = run()
     assert all(torch.equal(a, b) for a, b in zip(one, many))
     assert torch.all(many[1][40:] == 0) and many[1][:40].abs().sum() > 0
+
+
+def test_fold_tile_rule():
+    """One kv row a program up to FOLD_RUNS_MIN_ROWS rows an SM, eight entries a step where an
+    entry is one partial row and four where it is two head-block parts (the same bytes in
+    flight); beyond, four rows side by side; one row on the CPU; rows in reverse order."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
+
+    assert kbwd.fold_tile(5120, 132) == (1, 8, 4) and kbwd.fold_tile(5120, 132, 2) == (1, 4, 4)
+    assert kbwd.fold_tile(40960, 132, 1) == (1, 8, 4) and kbwd.fold_tile(163840, 132, 2) == (4, 4, 4)
+    assert kbwd.fold_tile(163840, 0) == (1, 8, 4)
+    assert kbwd.FOLD_ROWS_REVERSED
 
 
 def test_fold_by_entry_runs_where_rows_are_many(monkeypatch):

@@ -120,6 +120,14 @@ FOLD_BLOCK_D_MASKED_TILE = 256
 # tens to hundreds of entries: one row a program reads at 3.8 TB/s) 8-38% slower in
 # (8 | 4, 4, 4 | 8) configurations.
 FOLD_RUNS = None
+# The fold by rows' programs in reverse row order. The GPU starts a grid's programs about in
+# their order, so the rows with the most entries should come first; in DeepSeek's layout
+# those are the pool rows, stored after the raw ones (T = 4096, H64 K640: 660 entries a
+# pool row a chunk against about 120 a window row), and the fold in row order ended on
+# them. H100, T = 4096, the deterministic backward 1.6-3.5% faster with one head block,
+# level at T = 32768 (benchmarks/experiments/det_fold_sort_bench.py;
+# docs/performance/backward.md#the-folds-longest-rows-first-kept). Any order, the same bits.
+FOLD_ROWS_REVERSED = True
 FOLD_RUNS_CONFIG = (4, 2, 16, True)
 # kv rows an SM beyond which a chunk leaves most rows without entries (long contexts): the
 # fold by rows takes several rows a program there (``fold_tile``), the fold by entry runs
@@ -288,7 +296,7 @@ def _four_entries(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.co
 def _dkv_reduce_kernel(
     PARTIAL, ORDER, SEG, ACC, K, k_stride, N,
     D: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, MASK_D: tl.constexpr, ROWS: tl.constexpr,
-    UNROLL: tl.constexpr, EXP=None, P16: tl.constexpr = False,
+    UNROLL: tl.constexpr, EXP=None, P16: tl.constexpr = False, REVERSED: tl.constexpr = False,
 ):
     """acc[n] += row n's per-slot partials of this chunk, one after the other in sorted
     (token, slot) order: a sequential fold that continues from the previous chunks' sum,
@@ -308,7 +316,10 @@ def _dkv_reduce_kernel(
     rows end in 64 score-only columns, scaled as two segments of 32.
     """
     tl.static_assert(UNROLL == 4 or UNROLL == 8)
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    pid = tl.program_id(0)
+    if REVERSED:  # (the last rows first: FOLD_ROWS_REVERSED)
+        pid = tl.num_programs(0) - 1 - pid
+    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D  # (BLOCK_D columns a program; D = 576 ends in a quarter-used block)
     # (rows past N read SEG[N] twice: an empty segment)
@@ -604,18 +615,21 @@ def fold_block_d(D: int, rows: int = 1) -> int:
     return min(FOLD_BLOCK_D if D % FOLD_BLOCK_D == 0 else masked, next_pow2(D))
 
 
-def fold_tile(N: int, n_sm: int) -> tuple[int, int, int]:
-    """(ROWS, UNROLL, num_warps) of the deterministic fold. One kv row a program, eight
-    entries a step, up to N = 512 rows an SM (T = 4096: N = 5120, every row touched, long
-    segments); beyond, where a chunk touches few of the N rows (T = 131072, H = 64, K = 640:
-    about 34k of 163,840) and each has few entries, four rows side by side, four entries a
-    step (120 registers with 512 columns, 80 with 256, under Triton 3.6). H200,
+def fold_tile(N: int, n_sm: int, n_part: int = 1) -> tuple[int, int, int]:
+    """(ROWS, UNROLL, num_warps) of the deterministic fold. One kv row a program, up to
+    N = 512 rows an SM (T = 4096: N = 5120, every row touched, long segments), eight
+    entries a step where an entry is one partial row, four where it is ``n_part`` = 2
+    head-block parts (H = 128 with 16-bit rows: the same bytes in flight; H100, T = 4096,
+    the deterministic backward 2.9-3.5% faster than with eight, with the rows reversed:
+    ``FOLD_ROWS_REVERSED``); beyond, where a chunk touches few of the N rows (T = 131072,
+    H = 64, K = 640: about 34k of 163,840) and each has few entries, four rows side by
+    side, four entries a step (120 registers with 512 columns, 80 with 256, under Triton 3.6). H200,
     deterministic backward, H64 K640, causal ids, 256 columns
     (benchmarks/experiments/fold_tile_bench.py): T = 131072 165.8 ms against 178.7 with one
     row a program, T = 32768 39.7 against 38.1; with 512 columns 154 ms at T = 131072
     (fold_width_bench.py). Any tile gives the same bits."""
     if n_sm <= 0 or N <= n_sm * FOLD_RUNS_MIN_ROWS:
-        return 1, 8, 4
+        return 1, 8 if n_part == 1 else 4, 4
     return 4, 4, 4
 
 
@@ -781,7 +795,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         group = max(1, min(n_chunks, SORT_ENTRIES // max(1, chunk * K)))  # chunks a sort
         n_flags = main.flags_per_chunk(chunk, n_hb)
         lengths = topk_length if topk_length is not None else indices
-        rows_per_program, unroll, fold_warps = fold_tile(N, n_sm)
+        rows_per_program, unroll, fold_warps = fold_tile(N, n_sm, n_part)
         block_d = fold_block_d(D, rows_per_program)
         runs = fold_runs(N, n_sm)
         runs_unroll, runs_warps, runs_per_sm, runs_preload = FOLD_RUNS_CONFIG
@@ -815,7 +829,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                 _dkv_reduce_kernel[(triton.cdiv(N, rows_per_program), triton.cdiv(D, block_d))](
                     partial, order[c], seg[c], acc, K, k_stride, N,
                     D=D, BLOCK_D=block_d, N_HB=n_part, MASK_D=D % block_d != 0, ROWS=rows_per_program,
-                    UNROLL=unroll,
+                    UNROLL=unroll, REVERSED=FOLD_ROWS_REVERSED,
                     num_warps=fold_warps, **fold16,
                 )
 
