@@ -266,3 +266,36 @@ def test_trailing_masked_slots_under_capture(monkeypatch, pdl):
         _replays_match_eager(step, ids(12), {seed: ids(seed) for seed in (13, 14)})
     finally:
         dsv4_sparse_attn.set_deterministic_backward(None)
+
+
+def test_deterministic_groups_beside_under_capture(monkeypatch):
+    """The deterministic backward in chunks and sort groups, each group's id inversion on
+    the second stream (``SORT_BESIDE``): captured in a CUDA graph (the side stream forked
+    from and joined to the captured one), replays with new ids in the static buffer match
+    eager calls."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
+
+    Tn, H, D, N, Kn = 200, 64, 512, 400, 128
+    monkeypatch.setattr(kbwd, "PARTIAL_BYTES", 40 * Kn * D * 4)  # chunks of 40-80 tokens
+    monkeypatch.setattr(kbwd, "SORT_ENTRIES", 2 * 40 * Kn)  # groups of one or two chunks
+    assert kbwd.SORT_BESIDE
+    dsv4_sparse_attn.set_deterministic_backward(True)
+    try:
+        g = torch.Generator(device="cuda").manual_seed(15)
+        q = torch.randn(Tn, H, D, device="cuda", generator=g).to(DTYPE)
+        kv = torch.randn(N, D, device="cuda", generator=g).to(DTYPE)
+        sink = torch.randn(H, device="cuda", generator=g)
+        do = torch.randn(Tn, H, D, device="cuda", generator=g).to(DTYPE)
+
+        def ids(seed):
+            gen = torch.Generator(device="cuda").manual_seed(seed)
+            return torch.randint(-1, N, (Tn, Kn), device="cuda", generator=gen, dtype=torch.int32)
+
+        def step(idx):
+            out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink)
+            grads = torch.ops.dsv4.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink)
+            return (out, lse) + tuple(grads)
+
+        _replays_match_eager(step, ids(16), {seed: ids(seed) for seed in (17, 18)})
+    finally:
+        dsv4_sparse_attn.set_deterministic_backward(None)

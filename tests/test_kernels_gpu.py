@@ -665,6 +665,44 @@ def test_deterministic_backward_does_not_depend_on_chunking(monkeypatch, gluon, 
             assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("lengths", [False, True], ids=["ids", "lengths"])
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+def test_deterministic_ids_inverted_beside(monkeypatch, gluon, lengths):
+    """The id inversions on the second stream (``SORT_BESIDE``, the default: the first
+    group's beside Delta, each next group's beside a fold) against inline: the same bits,
+    with chunks of 20 tokens and groups of one and of three chunks (the last group short),
+    on a stream of the caller's own; and the float64 oracle."""
+    monkeypatch.setattr(kbwd, "EXACT_SUMS", False)  # (the partial rows and their fold)
+    assert kbwd.SORT_BESIDE
+    main = _main(gluon)
+    c = Case(150, 64, 512, 500, 200, ids="deepseek", lengths=lengths)
+    q, kv, idx, sink = make_case(c, DEV)
+    length = make_lengths(c, DEV) if lengths else None
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5, topk_length=length)
+    do, dl = torch.randn_like(out), torch.randn_like(lse)
+
+    def run(beside, group):
+        with monkeypatch.context() as m:
+            m.setattr(kbwd, "SORT_BESIDE", beside)
+            m.setattr(kbwd, "PARTIAL_BYTES", 20 * c.K * c.D * 4)  # (tokens of 4 or 2 bytes a value)
+            m.setattr(kbwd, "SORT_ENTRIES", group * 20 * 2 * c.K)
+            user = torch.cuda.Stream()
+            user.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(user):
+                r = kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main,
+                                        topk_length=length)
+            torch.cuda.current_stream().wait_stream(user)
+            return r
+
+    a = run(False, 1)
+    for beside, group in ((True, 1), (True, 3), (False, 3)):
+        b = run(beside, group)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), (beside, group)
+    rq, rkv, rs = oracle_bwd(do, dl, q, kv, idx, sink, None, length, None)
+    assert relerr(a[0], rq) < 3e-2 and relerr(a[1], rkv) < 3e-2 and relerr(a[2], rs) < 2e-2
+
+
 @pytest.mark.parametrize("case", [Case(300, 64, 512, 900, 640, ids="deepseek", lengths=True),
                                   Case(200, 128, 512, 700, 300, ids="deepseek", lengths=True),
                                   Case(150, 64, 576, 500, 200, ids="dup", lengths=True)], ids=str)

@@ -38,6 +38,7 @@ def fold_arms():
         ("shipped", {}),  # (the default: since 19edd09, rows reversed and four entries a step at H = 128)
         ("at_19edd09", dict(FOLD_ROWS_REVERSED=False, fold_tile=lambda N, n, n_part=1: (1, 8, 4))),
         ("reversed", dict(FOLD_ROWS_REVERSED=True)),
+        ("sort_inline", dict(SORT_BESIDE=False)),  # (the inversions on the caller's stream, as at 1a0c656)
         ("runs_4_2_16", dict(FOLD_RUNS=True, FOLD_RUNS_CONFIG=(4, 2, 16, True))),
         ("runs_8_4_8", dict(FOLD_RUNS=True, FOLD_RUNS_CONFIG=(8, 4, 8, True))),
         ("tile_1_8_8", dict(fold_tile=lambda N, n, n_part=1: (1, 8, 8))),
@@ -106,8 +107,14 @@ def main():
                 for name, flags in (arms if i % 2 == 0 else arms[::-1]):
                     f = with_flags(kbwd, run, **flags)
                     if i == 0:
+                        torch.cuda.synchronize()
+                        base = torch.cuda.memory_allocated()
+                        torch.cuda.reset_peak_memory_stats()
                         g = f()
+                        torch.cuda.synchronize()
                         row[name + "_bitwise"] = all(torch.equal(a, b) for a, b in zip(ref, g))
+                        peak = torch.cuda.max_memory_allocated() - base
+                        row[name + "_peak_extra_gib"] = round(peak / 2**30, 3)
                         del g
                     row[f"{name}_ms_{i}"] = round(bench(f), 4)
         for name, _ in arms:

@@ -84,6 +84,14 @@ L2_PERSIST_MIN_L2 = None
 # buffers), 48 MiB.
 SORT_ENTRIES = 2**21
 
+# The deterministic path's id inversions on a second stream (``beside_stream``): the first
+# group's beside the Delta launch, each later group's beside the fold of the chunk before
+# it, never beside a main kernel (whose programs each need a whole SM). Each inversion's
+# sort is a dozen short kernels (keys, the radix passes, searchsorted) that leave most of
+# the GPU idle; beside a kernel bound by the HBM they cost about the bytes they move.
+# False: inline, on the caller's stream.
+SORT_BESIDE = True
+
 # Partial-row bytes a token from which the deterministic mode with per-token lengths takes
 # the tokens longest first (``length_order``). A function of the shape only, so the bits
 # do not depend on the chunking. H200, T = 4096, lengths uniform in [128, K], kernels' time
@@ -727,6 +735,22 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     if (topk_length is None and TRAILING_MASKED_SKIPPED and getattr(main, "IN_ORDER", False) and T > 0
             and grad_out.shape[-1] == D and not exact):
         trail = torch.empty((T,), dtype=torch.int32, device=dev)
+    # The chunked (deterministic) path's plan, and the first group's id inversion started
+    # beside the Delta launch (``SORT_BESIDE``)
+    tokens = None  # with lengths: the tokens in the order the chunks take them (None: T's)
+    chunked = T > 0 and not one_launch
+    if chunked:
+        n_sm = cuda_properties(dev).multi_processor_count if dev.type == "cuda" else 0
+        # (16-bit rows: 2 bytes a value and a byte a 64-column segment, where fp32 rows take 4)
+        budget = PARTIAL_BYTES * 256 // 129 if partial16 else PARTIAL_BYTES
+        chunk = chunk_tokens(T, n_part, k_stride, D, budget, n_sm)
+        if topk_length is not None and n_part * k_stride * D * 4 >= LENGTH_ORDER_MIN_BYTES:
+            tokens = length_order(topk_length, K)
+        n_chunks = triton.cdiv(T, chunk)
+        group = max(1, min(n_chunks, SORT_ENTRIES // max(1, chunk * K)))  # chunks a sort
+        side = beside_stream(dev) if SORT_BESIDE else None
+        invert = _Inverter(indices, topk_length, tokens, T, chunk, K, N, side)
+        inv = invert(0, min(group, n_chunks))
     if T > 0:
         dh = min(next_pow2(H), max(1, 8192 // d_v))
         _bwd_delta_kernel[(T, triton.cdiv(H, dh))](
@@ -737,7 +761,6 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             D=d_v, BLOCK_H=dh, HAS_DLSE=grad_lse is not None, HAS_TRAIL=trail is not None, num_warps=4,
         )
 
-    tokens = None  # with lengths: the tokens in the order the chunks take them (None: T's)
     if topk_length is not None:
         main_options = dict(main_options, topk_length=topk_length)
     elif trail is not None:  # (the main kernel's only: no schedule, no sort keys change)
@@ -768,13 +791,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             main_options = dict(main_options, dq_parts=dq_jobs)
         with l2_policy.window(persisting):
             launch(0, T, None, counters[4:] if n_main_flags else None)
-    elif T > 0:
-        n_sm = cuda_properties(dev).multi_processor_count if dev.type == "cuda" else 0
-        # (16-bit rows: 2 bytes a value and a byte a 64-column segment, where fp32 rows take 4)
-        budget = PARTIAL_BYTES * 256 // 129 if partial16 else PARTIAL_BYTES
-        chunk = chunk_tokens(T, n_part, k_stride, D, budget, n_sm)
-        if topk_length is not None and n_part * k_stride * D * 4 >= LENGTH_ORDER_MIN_BYTES:
-            tokens = length_order(topk_length, K)
+    elif chunked:
         if topk_length is not None and hasattr(main, "schedule"):
             orders = main.schedule(topk_length, chunk, H, paired, tokens)
         partial = torch.empty((chunk, n_part, k_stride, D), device=dev,
@@ -787,14 +804,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                                       device=dev)
             main_options = dict(main_options, partial_exp=partial_exp)
             fold16 = dict(EXP=partial_exp, P16=2 if rope else 1)
-        # Sort keys as narrow as N allows: the radix sort makes one pass per key byte
-        # (int64 keys: 8 passes, int16: 2).
-        key_dtype = torch.int16 if N < 2**15 - 1 else torch.int32 if N < 2**31 - 1 else torch.int64
-        rows = torch.arange(N + 1, device=dev, dtype=key_dtype)
-        n_chunks = triton.cdiv(T, chunk)
-        group = max(1, min(n_chunks, SORT_ENTRIES // max(1, chunk * K)))  # chunks a sort
         n_flags = main.flags_per_chunk(chunk, n_hb)
-        lengths = topk_length if topk_length is not None else indices
         rows_per_program, unroll, fold_warps = fold_tile(N, n_sm, n_part)
         block_d = fold_block_d(D, rows_per_program)
         runs = fold_runs(N, n_sm)
@@ -802,24 +812,17 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         runs_grid = max(1, n_sm) * runs_per_sm
         for c0 in range(0, n_chunks, group):
             g = min(group, n_chunks - c0)
-            # Invert these chunks' ids: each chunk's entries sorted by kv row (stable: a
-            # fixed order), the entries that add nothing (slots past a length too: they
-            # have no partial row) keyed N, after every row. Every kv row thus adds its
-            # entries in the order of (position, slot), whatever the chunks.
-            t_lo, n = c0 * chunk, g * chunk * K
-            keys = torch.empty((g, chunk * K), dtype=key_dtype, device=dev)
-            if n:
-                _sort_keys_kernel[(triton.cdiv(n, 1024),)](
-                    indices, lengths, tokens if tokens is not None else lengths, keys, t_lo,
-                    min(T, t_lo + g * chunk) - t_lo, K, indices.stride(0), N, n,
-                    HAS_TOK=tokens is not None, HAS_LEN=topk_length is not None, BLOCK=1024, num_warps=4)
-            sorted_ids, order = torch.sort(keys, dim=-1, stable=True)
-            seg = torch.searchsorted(sorted_ids, rows.expand(g, N + 1).contiguous())
+            # These chunks' ids inverted (``_Inverter``): each chunk's entries sorted by kv
+            # row, every kv row adding its entries in the order of (position, slot),
+            # whatever the chunks.
+            sorted_ids, order, seg = invert.wait(inv)
             flags = torch.zeros((g, n_flags), dtype=torch.int32, device=dev) if n_flags else None
             for c in range(g):
-                t0 = t_lo + c * chunk
+                t0 = (c0 + c) * chunk
                 n_tok = min(chunk, T - t0)
                 launch(t0, n_tok, partial, flags[c] if flags is not None else None)
+                if c == g - 1 and c0 + group < n_chunks:  # the next group's, beside this fold
+                    inv = invert(c0 + group, min(group, n_chunks - c0 - group))
                 if runs:
                     _dkv_fold_runs_kernel[(runs_grid,)](
                         partial, order[c], sorted_ids[c], seg[c], acc, K, k_stride, N,
@@ -838,6 +841,87 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         grad_kv, grad_sink = epilogue(acc, kv.dtype, main.ACC_FAKE_ORDER, attn_sink, lse, delta, counters[:1],
                                       dq_jobs[0] if dq_jobs else None, two_words=exact)
     return grad_q, grad_kv, grad_sink
+
+
+class _Inverter:
+    """The deterministic path's id inversions, a group of chunks at a time: the chunks'
+    (position, slot) entries keyed by kv row (``_sort_keys_kernel``: N for the entries that
+    add nothing, slots past a length too, so they sort after every row), a stable sort of
+    each chunk's keys (a fixed order) and each row's segment of the sorted entries. The
+    outputs and the keys are allocated on the caller's stream; with a ``side`` stream the
+    work runs there, after the caller's work enqueued so far, and ``wait`` makes the
+    caller's stream wait for it before the outputs are used. The caller's allocator sees
+    only its own stream, so every such tensor the side stream uses (the keys too) must stay
+    alive until that wait: freed before it, its memory could go to the caller's next
+    allocation while the side stream still reads it."""
+
+    def __init__(self, indices, topk_length, tokens, T, chunk, K, N, side):
+        self.indices, self.topk_length, self.tokens, self.side = indices, topk_length, tokens, side
+        self.T, self.chunk, self.K, self.N = T, chunk, K, N
+        # Sort keys as narrow as N allows: the radix sort makes one pass per key byte
+        # (int64 keys: 8 passes, int16: 2).
+        self.key_dtype = torch.int16 if N < 2**15 - 1 else torch.int32 if N < 2**31 - 1 else torch.int64
+        self.rows = torch.arange(N + 1, device=indices.device, dtype=self.key_dtype)
+
+    def __call__(self, c0: int, g: int):
+        """Start inverting chunks c0 .. c0 + g - 1: a handle for ``wait``, which holds the
+        keys too (see the class)."""
+        dev, K, N, chunk = self.indices.device, self.K, self.N, self.chunk
+        t_lo, n = c0 * chunk, g * chunk * K
+        keys = torch.empty((g, chunk * K), dtype=self.key_dtype, device=dev)
+        sorted_ids = torch.empty_like(keys)
+        order = torch.empty((g, chunk * K), dtype=torch.int64, device=dev)
+        seg = torch.empty((g, N + 1), dtype=torch.int64, device=dev)
+        lengths = self.topk_length if self.topk_length is not None else self.indices
+        with _on_stream(self.side):
+            if n:
+                _sort_keys_kernel[(triton.cdiv(n, 1024),)](
+                    self.indices, lengths, self.tokens if self.tokens is not None else lengths, keys, t_lo,
+                    min(self.T, t_lo + g * chunk) - t_lo, K, self.indices.stride(0), N, n,
+                    HAS_TOK=self.tokens is not None, HAS_LEN=self.topk_length is not None, BLOCK=1024,
+                    num_warps=4)
+            torch.sort(keys, dim=-1, stable=True, out=(sorted_ids, order))
+            torch.searchsorted(sorted_ids, self.rows.expand(g, N + 1).contiguous(), out=seg)
+        return keys, sorted_ids, order, seg
+
+    def wait(self, inv):
+        """(sorted_ids, order, seg), each [g, ...], of handle ``inv``, once the caller's stream
+        has waited for their work (keep ``inv`` until then)."""
+        if self.side is not None:
+            torch.cuda.current_stream(self.side.device).wait_stream(self.side)
+        return inv[1:]
+
+
+class _on_stream:
+    """``with _on_stream(s)``: the work enqueued in the block runs on stream ``s`` after the
+    current stream's work so far (None: on the current stream)."""
+
+    def __init__(self, stream):
+        self.stream, self.ctx = stream, None
+
+    def __enter__(self):
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            self.ctx = torch.cuda.stream(self.stream)
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+_BESIDE = {}
+
+
+def beside_stream(dev: torch.device):
+    """The device's second stream for the work beside the backward's main stream (one a
+    device, made once), or None off CUDA."""
+    if dev.type != "cuda":
+        return None
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _BESIDE:
+        _BESIDE[i] = torch.cuda.Stream(device=i)
+    return _BESIDE[i]
 
 
 def persist_rows(acc: torch.Tensor, T: int, l2: int | None = None) -> torch.Tensor | None:
