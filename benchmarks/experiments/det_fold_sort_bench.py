@@ -3,7 +3,7 @@ of its entries: fold arms timed through the whole deterministic backward (bitwis
 the shipped fold: any arm must give the same bits), then the inversion of one group's sort
 keys by other means than the shipped batched sort.
 
-    PYTHONPATH=src:tests:benchmarks:benchmarks/experiments [ARMS=a,b] [PASSES=4] [SORT=1] \
+    PYTHONPATH=src:tests:benchmarks:benchmarks/experiments [ARMS=a,b] [PASSES=4] [SORT=1] [POOL=causal] \
         [SHAPES="T,H,K;..."] python benchmarks/experiments/det_fold_sort_bench.py > det_fold_sort.jsonl
 
 Fold arms (``backward`` module options): the shipped fold by rows (one row a program,
@@ -97,10 +97,12 @@ def sort_arms(idx, T, K, N, chunk, g):
 def main():
     passes = int(os.environ.get("PASSES", 1))  # pass 2 runs the arms in reverse order
     for T, H, K in env_shapes(SHAPES):
-        q, kv, idx, sink, out, lse, do, dl = backward_inputs(T, H, K, 512)
+        pool = os.environ.get("POOL", "random")  # ("causal": the sweep's long-context ids)
+        n_pool = max(T // 4, K) if pool == "causal" else None
+        q, kv, idx, sink, out, lse, do, dl = backward_inputs(T, H, K, 512, pool=pool, n_pool=n_pool)
         run = lambda: torch.ops.dsv4.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, 512 ** -0.5)  # noqa
         arms = fold_arms()
-        row = dict(T=T, H=H, K=K)
+        row = dict(T=T, H=H, K=K, pool=pool)
         with backward_mode(True):
             ref = run()
             for i in range(passes):
