@@ -197,6 +197,22 @@ def _replays_match_eager(step, static, inputs):
             assert relerr(a, b) <= 1e-3, (seed, name)
 
 
+def _ops_step(Tn, H, D, N, seed):
+    """``step(idx)``: the forward and backward ops on random q, kv, sink and grad_out (seed
+    ``seed``) with ids ``idx``, returning out, lse and the three gradients."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(Tn, H, D, device="cuda", generator=g).to(DTYPE)
+    kv = torch.randn(N, D, device="cuda", generator=g).to(DTYPE)
+    sink = torch.randn(H, device="cuda", generator=g)
+    do = torch.randn(Tn, H, D, device="cuda", generator=g).to(DTYPE)
+
+    def step(idx):
+        out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink)
+        grads = torch.ops.dsv4.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink)
+        return (out, lse) + tuple(grads)
+    return step
+
+
 def test_lengths_without_host_sync_and_under_capture(deterministic):
     """topk_length at D = 512 (the Gluon kernels on sm_90, with their length-ordered tile
     schedule): forward and backward ops with no host sync, and captured in a CUDA graph
@@ -245,23 +261,14 @@ def test_trailing_masked_slots_under_capture(monkeypatch, pdl):
     monkeypatch.setattr(backward_gluon, "REMAINDER_PDL", pdl)
     dsv4_sparse_attn.set_deterministic_backward(False)
     try:
-        Tn, H, D, N, Kn = 300, 64, 512, 400, 256
-        g = torch.Generator(device="cuda").manual_seed(11)
-        q = torch.randn(Tn, H, D, device="cuda", generator=g).to(DTYPE)
-        kv = torch.randn(N, D, device="cuda", generator=g).to(DTYPE)
-        sink = torch.randn(H, device="cuda", generator=g)
-        do = torch.randn(Tn, H, D, device="cuda", generator=g).to(DTYPE)
+        Tn, N, Kn = 300, 400, 256
+        step = _ops_step(Tn, 64, 512, N, seed=11)
 
         def ids(seed):  # each token's ids valid up to a cut of its own, -1 after it
             gen = torch.Generator(device="cuda").manual_seed(seed)
             idx = torch.randint(0, N, (Tn, Kn), device="cuda", generator=gen, dtype=torch.int32)
             cut = torch.randint(0, Kn + 1, (Tn, 1), device="cuda", generator=gen)
             return torch.where(torch.arange(Kn, device="cuda") < cut, idx, -1).to(torch.int32)
-
-        def step(idx):
-            out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink)
-            grads = torch.ops.dsv4.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink)
-            return (out, lse) + tuple(grads)
 
         _replays_match_eager(step, ids(12), {seed: ids(seed) for seed in (13, 14)})
     finally:
@@ -281,20 +288,11 @@ def test_deterministic_groups_beside_under_capture(monkeypatch):
     assert kbwd.SORT_BESIDE
     dsv4_sparse_attn.set_deterministic_backward(True)
     try:
-        g = torch.Generator(device="cuda").manual_seed(15)
-        q = torch.randn(Tn, H, D, device="cuda", generator=g).to(DTYPE)
-        kv = torch.randn(N, D, device="cuda", generator=g).to(DTYPE)
-        sink = torch.randn(H, device="cuda", generator=g)
-        do = torch.randn(Tn, H, D, device="cuda", generator=g).to(DTYPE)
+        step = _ops_step(Tn, H, D, N, seed=15)
 
         def ids(seed):
             gen = torch.Generator(device="cuda").manual_seed(seed)
             return torch.randint(-1, N, (Tn, Kn), device="cuda", generator=gen, dtype=torch.int32)
-
-        def step(idx):
-            out, lse = torch.ops.dsv4.sparse_mla_fwd(q, kv, idx, sink)
-            grads = torch.ops.dsv4.sparse_mla_bwd(do, None, q, kv, out, lse, idx, sink)
-            return (out, lse) + tuple(grads)
 
         _replays_match_eager(step, ids(16), {seed: ids(seed) for seed in (17, 18)})
     finally:
