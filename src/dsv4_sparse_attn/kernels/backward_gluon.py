@@ -1017,7 +1017,12 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
         else:
             red_f32x4_fake(fake_group_base(row_ptr, offs_d), acc, on_el)
     elif row_ptr.dtype.element_ty == gl.float16:  # (a compile-time choice: the rows' type)
-        _store_16(row_ptr, offs_d, acc, rows16[0], rows16[1], SEG)
+        if len(rows16) == 4:  # (ablation 512, timing only: no store instructions)
+            pass
+        elif len(rows16) > 2:  # (ablations 8 and 1024: timing only)
+            _store_16_ablated(row_ptr, offs_d, acc, rows16[0], rows16[1], rows16[2], len(rows16) == 5)
+        else:
+            _store_16(row_ptr, offs_d, acc, rows16[0], rows16[1], SEG)
     else:  # partial rows, in the same fake column order (16-byte stores and adds)
         ones = gl.full(acc.shape, 1, gl.int32, acc.type.layout)
         gb = fake_group_base(row_ptr, offs_d)
@@ -1068,6 +1073,25 @@ def _store_16(row_ptr, offs_d, acc, PARTIAL, EXP, SEG: gl.constexpr = -1):
     else:  # (576 columns: PARTIAL the scales, EXP each row's index; two words a row)
         scales = PARTIAL.to(gl.pointer_type(gl.uint8))
         gl.store(scales + (EXP.to(gl.int64) * 16 + SEG), (s + 127).to(gl.uint8))
+
+
+@gluon.jit
+def _store_16_ablated(row_ptr, offs_d, acc, PARTIAL, EXP, KEEP, UNSCALED: gl.constexpr):
+    """``_store_16`` at D = 512 with parts taken out (``launch(ablate=...)``, timing only: the
+    rows are then wrong): every store predicated off by ``KEEP`` (a run-time flag, false;
+    ablation 8) and, with ``UNSCALED`` (1024), no scaling either (the values converted as
+    they are). (Ablation 512, no store instructions at all, is ``_send_piece``'s.)"""
+    if UNSCALED:
+        ones = gl.full(acc.shape, 1, gl.int32, acc.type.layout) * KEEP.to(gl.int32)
+        st_f16x4_fake(fake_group_base(row_ptr, offs_d), acc, ones)
+    else:
+        ones = gl.full(acc.shape, 1, gl.int32, acc.type.layout) * KEEP.to(gl.int32)
+        big = gl.max(gl.abs(acc), axis=1)
+        e = ((big.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        s = gl.where(big == 0.0, 0, gl.minimum(gl.maximum(e - 14, -126), 126))
+        inv = ((127 - s) << 23).to(gl.float32, bitcast=True)
+        st_f16x4_fake(fake_group_base(row_ptr, offs_d), acc * inv[:, None], ones)
+        gl.store(_scale_bytes(row_ptr, PARTIAL, EXP), (s + 127).to(gl.uint8), mask=(s > -1000) & KEEP)
 
 
 @gluon.jit
@@ -1187,6 +1211,12 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         offs_kz = _row_pair(offs_ks + z)
         row_ptr, on = _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED, D, ABL)
         rows16 = (PARTIAL, EXP)  # (16-bit rows' scales: D = 512, from each piece's address)
+        if ABL & 512:  # (timing only: the tuple's length picks the ablation in ``_send_piece``)
+            rows16 = (PARTIAL, EXP, N < 0, 0)
+        elif ABL & 1024:
+            rows16 = (PARTIAL, EXP, N < 0, 0, 0)
+        elif ABL & 8:
+            rows16 = (PARTIAL, EXP, N < 0)
         if ROPE > 0:
             if PARTIAL.dtype.element_ty == gl.float16:  # (576: each row's index, its scales' word pair)
                 rows16 = (EXP, _row_pair(slot0 + (j ^ z) * _BK))
@@ -1526,7 +1556,9 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     computed here when None; it holds the tokens, so ``tokens`` is then not read).
     ``ablate`` (measurement only; the gradients are then wrong): parts of a tile's work taken out,
     a sum of 1 (dQ stores), 2 (q/dO loads after a program's first tile, cp.async path),
-    4 (lse/Delta loads: 0) and 8 (dKV reductions predicated off); 64, the fast mode's
+    4 (lse/Delta loads: 0) and 8 (dKV reductions, or 16-bit partial rows' stores, predicated
+    off); 512, 16-bit partial rows' stores left out of the build; 1024 with 8, those rows
+    predicated off and not scaled (``_store_16_ablated``); 64, the fast mode's
     reductions as two s32 words a 64-bit add (``hopper.red_s32x2_lines``: the cost of an
     exact sum, docs/performance/backward.md#open-leads; grad_kv is then s32 words), with 128
     the fp32 bits sent unconverted (the conversion's cost apart); 256, the fast mode's
