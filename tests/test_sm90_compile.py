@@ -295,6 +295,29 @@ def test_gluon_backward_grid_rounding_prototype_compiles_for_sm90():
                for lp, b in zip(r["mma_loops"], base["mma_loops"])), (r["mma_loops"], base["mma_loops"])
 
 
+def test_gluon_backward_16_bit_store_ablations_compile_for_sm90():
+    """The timing ablations of the 16-bit partial rows' stores (``launch(ablate=...)``,
+    benchmarks/experiments/det_store_ablation_bench.py) against the default build: 8 (stores
+    predicated off) keeps every store and wgmma; 8 | 1024 (not scaled either) the same
+    stores and wgmmas in a shorter loop (the segment maxima, scales and multiplies out);
+    512 no store in its loops. None serialises its wgmmas or reloads in a loop."""
+    from dsv4_sparse_attn.kernels import backward_gluon as G
+
+    if not G.partial16_default(512, 512):
+        pytest.skip(f"16-bit partial rows are not a default under Triton {G.TRITON_VERSION}")
+    dq_tma = bool(G.DQ_TMA)
+    base = compile_backward_gluon(red=False, split=0, p16=True, dq_tma=dq_tma)
+    off, unscaled, gone = (compile_backward_gluon(red=False, split=0, p16=True, dq_tma=dq_tma, ablate=a)
+                           for a in (8, 8 | 1024, 512))
+    for r in (base, off, unscaled, gone):
+        assert r["wgmma_serialized"] is False and len(r["mma_loops"]) == 2, r
+        assert all(lp["LDL"] <= (1 if G.TRITON_VERSION >= (3, 9) else 0) for lp in r["mma_loops"]), r
+    for lp, b, u in zip(off["mma_loops"], base["mma_loops"], unscaled["mma_loops"]):
+        assert lp["STG"] == b["STG"] == u["STG"] > 0 and lp["HGMMA"] == b["HGMMA"] == u["HGMMA"], (lp, b, u)
+        assert u["size"] < lp["size"], (u, lp)
+    assert all(lp["STG"] == 0 for lp in gone["mma_loops"]), gone["mma_loops"]
+
+
 @pytest.mark.parametrize("hp, trans", [(64, False), (16, True)], ids=["h64", "h16-transposed"])
 def test_gluon_backward_exact_sums_option_compiles_for_sm90(hp, trans):
     """The deterministic mode's exact two-word sums (``launch(exact_codes=...)``, a
