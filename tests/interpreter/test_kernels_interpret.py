@@ -185,6 +185,19 @@ def test_fold_tile_rule():
     assert kbwd.FOLD_ROWS_REVERSED
 
 
+def test_inversions_stay_on_the_callers_stream_off_cuda():
+    """Off CUDA (here: the interpreter) there is no second stream: ``beside_stream`` is None
+    and ``_on_stream(None)`` leaves the work where it is, so the CPU path is unchanged."""
+    import torch
+
+    from dsv4_sparse_attn.kernels import backward as kbwd
+
+    assert kbwd.beside_stream(torch.device("cpu")) is None
+    with kbwd._on_stream(None):
+        x = torch.ones(3) * 2
+    assert x.sum().item() == 6
+
+
 def test_fold_by_entry_runs_where_rows_are_many(monkeypatch):
     """The fold by entry runs is the default beyond FOLD_RUNS_MIN_ROWS kv rows an SM, at
     any D (the rule takes none: D = 512 and 576 measured) (T = 131072's 163,840 rows on 132
