@@ -1052,6 +1052,16 @@ def _seg16(col, rope):
 
 
 @gluon.jit
+def _segment_scale(acc):
+    """Each row's scale exponent s of a piece's segment (its largest |value| to [2^14, 2^15),
+    s in [-126, 126], 0 for a zero segment) and 2^-s (exact): ``_store_16``'s scaling."""
+    big = gl.max(gl.abs(acc), axis=1)
+    e = ((big.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2) of a normal max
+    s = gl.where(big == 0.0, 0, gl.minimum(gl.maximum(e - 14, -126), 126))
+    return s, ((127 - s) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
 def _store_16(row_ptr, offs_d, acc, PARTIAL, EXP, SEG: gl.constexpr = -1):
     """A [64 slots, 64 columns] piece (or [64, 32]: a consumer's half of the 576/512
     layout's score-only columns) to 16-bit partial rows
@@ -1062,10 +1072,7 @@ def _store_16(row_ptr, offs_d, acc, PARTIAL, EXP, SEG: gl.constexpr = -1):
     (``backward._scaled``: int64 words, a byte a segment; ``_scale_bytes`` at D = 512,
     else byte ``SEG`` of the row whose index ``EXP`` holds). The row's maximum is a
     quad's: its 4 lanes hold the row's columns (two shuffles)."""
-    big = gl.max(gl.abs(acc), axis=1)
-    e = ((big.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2) of a normal max
-    s = gl.where(big == 0.0, 0, gl.minimum(gl.maximum(e - 14, -126), 126))
-    inv = ((127 - s) << 23).to(gl.float32, bitcast=True)  # 2^-s, exact
+    s, inv = _segment_scale(acc)
     ones = gl.full(acc.shape, 1, gl.int32, acc.type.layout)
     st_f16x4_fake(fake_group_base(row_ptr, offs_d), acc * inv[:, None], ones)
     if SEG < 0:  # (D = 512: from the row's address)
@@ -1086,10 +1093,7 @@ def _store_16_ablated(row_ptr, offs_d, acc, PARTIAL, EXP, KEEP, UNSCALED: gl.con
         st_f16x4_fake(fake_group_base(row_ptr, offs_d), acc, ones)
     else:
         ones = gl.full(acc.shape, 1, gl.int32, acc.type.layout) * KEEP.to(gl.int32)
-        big = gl.max(gl.abs(acc), axis=1)
-        e = ((big.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        s = gl.where(big == 0.0, 0, gl.minimum(gl.maximum(e - 14, -126), 126))
-        inv = ((127 - s) << 23).to(gl.float32, bitcast=True)
+        s, inv = _segment_scale(acc)
         st_f16x4_fake(fake_group_base(row_ptr, offs_d), acc * inv[:, None], ones)
         gl.store(_scale_bytes(row_ptr, PARTIAL, EXP), (s + 127).to(gl.uint8), mask=(s > -1000) & KEEP)
 
