@@ -348,7 +348,8 @@ def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None,
     measurement-only option (``launch(ablate=...)``), with the reductions it selects.
     ``exact``: the deterministic mode's exact two-word sums (``launch(exact_codes=...)``:
     the reductions of the fast mode's build, PARTIAL the int32 codes). ``p16``: the
-    deterministic mode's 16-bit partial rows (``launch(partial_exp=...)``: PARTIAL fp16).
+    deterministic mode's 16-bit partial rows (``launch(partial_exp=...)``: PARTIAL fp16, or
+    bf16 with ``p16="bf16"``: ``backward.PARTIAL_16_BF16``).
     ``pdl``: the kernel's ``PDL`` (1: it signals its dependent launch at its start; 2: it
     waits for the launch before it at its end; ``launch(pdl=...)``)."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
@@ -359,7 +360,7 @@ def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None,
                   PAIRS=G._pairs_code(paired, not red, rope, rows16=p16 and bool(dq_tma)), PDL=pdl)
     types = BWD_TYPES
     if exact or p16:
-        types = dict(BWD_TYPES, PARTIAL="*i32" if exact else "*fp16")
+        types = dict(BWD_TYPES, PARTIAL="*i32" if exact else "*bf16" if p16 == "bf16" else "*fp16")
     if qd_tma:  # q and dO as [T * H, D] tensor descriptors of [64, 128] tiles (launch's _qd_descriptor)
         from triton.experimental.gluon import language as gl
         layout = gl.NVMMASharedLayout.get_default_for([1, G.BLOCK_H, 128], gl.bfloat16)

@@ -193,6 +193,10 @@ def _run_ptx(stmts, regs):
             elif op == "cvt.rn.f16x2.f32":  # the first source to the upper half
                 hi, lo = (struct.unpack("<H", struct.pack("<e", _f32(val(lane, x))))[0] for x in a[1:3])
                 r[a[0]] = hi << 16 | lo
+            elif op == "cvt.rn.bf16x2.f32":  # (rounded to nearest even by torch)
+                hi, lo = (torch.tensor(_f32(val(lane, x))).bfloat16().view(torch.int16).item() & 0xFFFF
+                          for x in a[1:3])
+                r[a[0]] = hi << 16 | lo
             else:
                 raise AssertionError(f"the replay does not know {op!r}: extend it with the asm")
     return reds
@@ -441,4 +445,39 @@ def test_16_bit_partial_row_stores_put_every_value_at_its_fake_column(n):
             continue
         for col in range(n):
             expect = struct.unpack("<e", struct.pack("<e", value(row, col)))[0]
+            assert rows[(row, want[col])] == expect, (row, col)
+
+
+def test_bf16_partial_row_stores_put_every_value_at_its_fake_column():
+    """``hopper.st_bf16x4_fake`` (bf16 partial rows, a measurement option of the
+    deterministic mode): its asm replayed for every lane puts each value, rounded to bf16,
+    at ``fake_col`` of its column in its slot's row, 8 aligned bytes a store, and nothing
+    for a row whose ``on`` is 0."""
+    from dsv4_sparse_attn.kernels import hopper
+
+    stmts = _lines_asm(hopper._ST16_BF16_PTX_SRC)
+    f16 = _lines_asm(hopper._ST16_PTX_SRC)
+    assert stmts == [st.replace("cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32") for st in f16]
+    row_bytes, masked = 1024 + 64, {3, 61}
+
+    def value(row, col):
+        return (row * 64 + col) / 7.0 - 300.0
+
+    rows = {}
+    for regs in _lines_instances(row_bytes, masked, value, pack=8, group_bytes=32, n=64):
+        for store in _run_ptx(stmts, regs):
+            for _, addr, words in store:
+                assert addr % 8 == 0 and len(words) == 2
+                row, off = divmod(addr, row_bytes)
+                for k, w in enumerate(words):
+                    for h in range(2):
+                        bits = torch.tensor(w >> (16 * h) & 0xFFFF, dtype=torch.int32).to(torch.int16)
+                        rows[(row, off // 2 + 2 * k + h)] = bits.view(torch.bfloat16).float().item()
+    want = fake_col(torch.arange(64)).tolist()
+    assert len(rows) == (64 - len(masked)) * 64
+    for row in range(64):
+        if row in masked:
+            continue
+        for col in range(64):
+            expect = torch.tensor(value(row, col)).bfloat16().float().item()
             assert rows[(row, want[col])] == expect, (row, col)

@@ -482,6 +482,39 @@ def test_deterministic_backward_with_16_bit_partial_rows(case, gluon):
     check_backward(case, DEV, deterministic=True, partial16=True, main=_main(gluon))
 
 
+@pytest.mark.parametrize("H, lengths", [(64, False), (128, True), (16, False)])
+def test_bf16_partial_rows_option(monkeypatch, H, lengths):
+    """``backward.PARTIAL_16_BF16`` (a measurement option, off: the Gluon main kernel's rows
+    as bf16, unscaled): the same bits run to run and for chunks of 70 tokens; grad_q and
+    grad_sink those of the scaled fp16 rows (the rows do not enter them); grad_kv within
+    bf16's rounding of them, and against the float64 oracle."""
+    from helpers import relerr
+
+    monkeypatch.setattr(kbwd, "EXACT_SUMS", False)
+    c = Case(300, H, 512, 900, 640, ids="deepseek", lengths=lengths)
+    q, kv, idx, sink = make_case(c, DEV)
+    length = make_lengths(c, DEV)
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5, topk_length=length)
+    do, dl = torch.randn_like(out), torch.randn_like(lse)
+
+    def run(bf16, chunk=None):
+        with monkeypatch.context() as m:
+            m.setattr(kbwd, "PARTIAL_16_BF16", bf16)
+            if chunk:
+                m.setattr(kbwd, "PARTIAL_BYTES", chunk * -(-H // 64) * c.K * c.D * 4)
+            return kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5,
+                                       main=_main(True), topk_length=length, partial16=True)
+
+    a = run(True)
+    for b in (run(True), run(True, chunk=70)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    f = run(False)
+    assert torch.equal(a[0], f[0]) and torch.equal(a[2], f[2])
+    assert 0 < relerr(a[1].float(), f[1].float()) < 6e-3
+    rq, rkv, rs = oracle_bwd(do, dl, q, kv, idx, sink, None, length, None)
+    assert relerr(a[1], rkv) < 3e-2
+
+
 @pytest.mark.parametrize("H, D, lengths", [(64, 512, False), (128, 512, True), (16, 512, False),
                                            (64, 576, True), (128, 576, False), (16, 576, False),
                                            (32, 576, True)])

@@ -295,6 +295,32 @@ def test_gluon_backward_grid_rounding_prototype_compiles_for_sm90():
                for lp, b in zip(r["mma_loops"], base["mma_loops"])), (r["mma_loops"], base["mma_loops"])
 
 
+def test_gluon_backward_bf16_partial_rows_compile_for_sm90():
+    """The bf16 partial rows (``backward.PARTIAL_16_BF16``, a measurement option: unscaled
+    stores) as the launcher builds them at D = 512: the scaled fp16 build's stores and
+    wgmmas in a shorter loop (no segment maxima, scales or multiplies), no serialisation,
+    no reload (3.9: as the fp16 build), the same spill outside the loops at most; and the
+    folds of bf16 rows (``P16`` 3) without shared memory or spill."""
+    from dsv4_sparse_attn.kernels import backward as B
+    from dsv4_sparse_attn.kernels import backward_gluon as G
+    from sm90_compile import compile_sm90
+
+    if not G.partial16_default(512, 512):
+        pytest.skip(f"16-bit partial rows are not a default under Triton {G.TRITON_VERSION}")
+    dq_tma = bool(G.DQ_TMA)
+    f16 = compile_backward_gluon(red=False, split=0, p16=True, dq_tma=dq_tma)
+    bf16 = compile_backward_gluon(red=False, split=0, p16="bf16", dq_tma=dq_tma)
+    assert bf16["wgmma_serialized"] is False and len(bf16["mma_loops"]) == 2, bf16
+    assert bf16["spill_bytes"] <= f16["spill_bytes"], (bf16, f16)
+    for b, f in zip(bf16["mma_loops"], f16["mma_loops"]):
+        assert b["LDL"] <= f["LDL"] and b["HGMMA"] == f["HGMMA"] and b["STG"] == f["STG"], (b, f)
+        assert b["size"] < f["size"] - 200, (b, f)
+    types = dict(PARTIAL="*bf16", ORDER="*i64", SEG="*i64", ACC="*fp32", EXP="*i64")
+    r = compile_sm90(B._dkv_reduce_kernel, types, dict(D=512, BLOCK_D=512, N_HB=1, MASK_D=False, ROWS=1,
+                                                       UNROLL=8, P16=3, REVERSED=True), 4, 1)
+    assert r["shared"] == 0 and r["spill_bytes"] == 0, r
+
+
 def test_gluon_backward_16_bit_store_ablations_compile_for_sm90():
     """The timing ablations of the 16-bit partial rows' stores (``launch(ablate=...)``,
     benchmarks/experiments/det_store_ablation_bench.py) against the default build: 8 (stores

@@ -3,8 +3,10 @@ deterministic backward (Gluon main kernel, 16-bit rows) with the stores as shipp
 them predicated off at run time (``launch(ablate=8)``: still issued, no bytes written),
 predicated off and not scaled (``ablate=8 | 1024``: the segment maxima, scales and
 multiplies left out) and left out of the build (``ablate=512``: no store instructions,
-and ptxas then drops the scaling and, in part, the dKV products no store reads). The fold and the rest run the
-same in every arm, so the differences are the main kernel's. The gradients of the ablated
+and ptxas then drops the scaling and, in part, the dKV products no store reads); and the
+rows as bf16, unscaled (``backward.PARTIAL_16_BF16``: real gradients). The fold and the
+rest run the same in every arm (but the bf16 one's fold, which reads no scale words), so
+the differences are the main kernel's. The gradients of the ablated
 arms are wrong; the times are the point. The fast mode is timed beside them.
 
     PYTHONPATH=src:tests:benchmarks:benchmarks/experiments \
@@ -21,11 +23,11 @@ import triton.testing
 from bench import backward_inputs
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon
-from side_by_side import env_shapes
+from side_by_side import env_shapes, with_flags
 
 SHAPES = ((4096, 64, 640), (4096, 128, 1152), (4096, 16, 1152))
 ARMS = (("det", True, 0), ("det_stores_off", True, 8), ("det_stores_off_unscaled", True, 8 | 1024),
-        ("det_no_stores", True, 512), ("fast", False, 0))
+        ("det_no_stores", True, 512), ("det_bf16_rows", True, "bf16"), ("fast", False, 0))
 
 
 def main():
@@ -34,6 +36,8 @@ def main():
         q, kv, idx, sink, out, lse, do, dl = backward_inputs(T, H, K, 512)
 
         def call(det, ablate):
+            if ablate == "bf16":  # (the bf16 rows option: real gradients, another rounding)
+                return with_flags(kbwd, call(det, 0), PARTIAL_16_BF16=True)
             return lambda: kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, 512 ** -0.5,
                                                main=backward_gluon, deterministic=det, ablate=ablate)
         row = dict(T=T, H=H, K=K)

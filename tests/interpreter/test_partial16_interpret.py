@@ -76,6 +76,35 @@ def test_fold_of_16_bit_rows_equals_the_fold_of_their_fp32_values(n_hb, D, rope)
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 
+@pytest.mark.parametrize("n_hb, D", [(1, 128), (2, 512)])
+def test_fold_of_bf16_rows_equals_the_fold_of_their_fp32_values(n_hb, D):
+    """bf16 rows without scales (``P16 == 3``: ``backward.PARTIAL_16_BF16``, a measurement
+    option) fold, in both folds, to the bits of the fp32 rows they widen to (exact); the
+    scale words passed beside them are never read (garbage here)."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
+
+    T, K, N = 6, 9, 17
+    keys, order, seg = _entries(T, K, N, seed=5)
+    g = torch.Generator().manual_seed(D)
+    v = (torch.randn(T, n_hb, K, D, generator=g) * torch.exp2(torch.randint(-30, 30, (T, n_hb, K, 1),
+                                                                            generator=g).float())).bfloat16()
+    junk = torch.randint(-2**62, 2**62, (T, n_hb, K, 1), generator=g, dtype=torch.int64)
+    acc0 = torch.randn(N, D, generator=torch.Generator().manual_seed(3))
+    results = []
+    for p16 in (False, 3):
+        part, exp = (v, junk) if p16 else (v.float(), None)
+        a = acc0.clone()
+        kbwd._dkv_reduce_kernel[(triton.cdiv(N, 4), 1)](
+            part, order, seg, a, K, K, N, D=D, BLOCK_D=D, N_HB=n_hb, MASK_D=False, ROWS=4, UNROLL=4,
+            EXP=exp, P16=p16)
+        b = acc0.clone()
+        kbwd._dkv_fold_runs_kernel[(3,)](
+            part, order, keys, seg, b, K, K, N, D=D, BLOCK_D=D, N_HB=n_hb, UNROLL=4, PRELOAD=True,
+            EXP=exp, P16=p16)
+        results += [a, b]
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
 @pytest.mark.parametrize("H, D, rope", [(3, 256, False), (70, 256, False), (3, 512, True)])
 def test_deterministic_backward_with_16_bit_rows(monkeypatch, H, D, rope):
     """The deterministic backward (Triton main kernel) with 16-bit partial rows against the

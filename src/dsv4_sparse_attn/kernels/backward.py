@@ -60,6 +60,12 @@ TRAILING_MASKED_SKIPPED = False
 # within 8.7e-4 of the fp32 rows' (its own bf16 rounding is 1.7e-3)
 # (docs/performance/backward.md#partial-rows-in-16-bits).
 PARTIAL_16 = True
+# The 16-bit partial rows as bf16, unscaled, instead of scaled fp16 (a measurement option, off;
+# the Gluon main kernel at D = d_v = 512): no segment maxima, scales or multiplies in the
+# main kernel (26% of its block loop's instructions, sm_90) and no scale words in the fold,
+# for each row rounded to bf16 (grad_kv's error about 1.4x its own bf16 rounding, against
+# 1.01x with scaled fp16: docs/performance/backward.md#partial-rows-in-16-bits).
+PARTIAL_16_BF16 = False
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
 # of the backward is this plus O(T*H + N*D) fp32): under the 1 GiB the backward may
@@ -268,25 +274,29 @@ def _scaled(x, ew, ok, cols, D: tl.constexpr, TILE: tl.constexpr, P16: tl.conste
     One word load (two past 8 segments) an entry and part, not a byte load a value: ``ew``
     is a scalar or, with ``TILE``, one pointer a row of the tile ([ROWS], loaded so and
     widened after: a [ROWS, 1] load would be repeated for each value a thread holds)."""
-    NW: tl.constexpr = scale_words(D, P16 == 2)
-    tl.static_assert(NW <= 2)
-    b = cols // 64
-    if P16 == 2:
-        b += (cols >= D - 64) & ((cols // 32) % 2 == 1)
-    w = tl.load(ew, mask=ok, other=0)
-    lo = w.to(tl.int32)
-    hi = (w >> 32).to(tl.int32)
-    if TILE:
-        lo = lo[:, None]
-        hi = hi[:, None]
-    half = tl.where((b // 4) % 2 == 0, lo, hi)
-    if NW == 2:
-        w2 = tl.load(ew + 1, mask=ok, other=0).to(tl.int32)
+    if P16 == 3:  # (bf16 rows, unscaled: PARTIAL_16_BF16)
+        y = x.to(tl.float32)
+    else:
+        NW: tl.constexpr = scale_words(D, P16 == 2)
+        tl.static_assert(NW <= 2)
+        b = cols // 64
+        if P16 == 2:
+            b += (cols >= D - 64) & ((cols // 32) % 2 == 1)
+        w = tl.load(ew, mask=ok, other=0)
+        lo = w.to(tl.int32)
+        hi = (w >> 32).to(tl.int32)
         if TILE:
-            w2 = w2[:, None]
-        half = tl.where(b < 8, half, w2)
-    e = (half >> ((b % 4) * 8)) & 0xFF
-    return x.to(tl.float32) * (e << 23).to(tl.float32, bitcast=True)
+            lo = lo[:, None]
+            hi = hi[:, None]
+        half = tl.where((b // 4) % 2 == 0, lo, hi)
+        if NW == 2:
+            w2 = tl.load(ew + 1, mask=ok, other=0).to(tl.int32)
+            if TILE:
+                w2 = w2[:, None]
+            half = tl.where(b < 8, half, w2)
+        e = (half >> ((b % 4) * 8)) & 0xFF
+        y = x.to(tl.float32) * (e << 23).to(tl.float32, bitcast=True)
+    return y
 
 
 @triton.jit
@@ -794,16 +804,18 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     elif chunked:
         if topk_length is not None and hasattr(main, "schedule"):
             orders = main.schedule(topk_length, chunk, H, paired, tokens)
+        rope = grad_out.shape[-1] != D  # (its last 64 columns: two segments of 32)
+        bf16 = partial16 and PARTIAL_16_BF16 and getattr(main, "PARTIAL_BF16", False) and not rope
         partial = torch.empty((chunk, n_part, k_stride, D), device=dev,
-                              dtype=torch.float16 if partial16 else torch.float32)
+                              dtype=torch.bfloat16 if bf16 else torch.float16 if partial16 else torch.float32)
         fold16 = {}  # (the fold's arguments for 16-bit rows: their scales)
         if partial16:
-            # (each row's segment scales as biased exponent bytes, in int64 words: one load a row)
-            rope = grad_out.shape[-1] != D  # (its last 64 columns: two segments of 32)
-            partial_exp = torch.empty((chunk, n_part, k_stride, scale_words(D, rope)), dtype=torch.int64,
-                                      device=dev)
+            # (each row's segment scales as biased exponent bytes, in int64 words: one load a row;
+            # bf16 rows have none: one word a row, unused)
+            partial_exp = torch.empty((chunk, n_part, k_stride, 1 if bf16 else scale_words(D, rope)),
+                                      dtype=torch.int64, device=dev)
             main_options = dict(main_options, partial_exp=partial_exp)
-            fold16 = dict(EXP=partial_exp, P16=2 if rope else 1)
+            fold16 = dict(EXP=partial_exp, P16=3 if bf16 else 2 if rope else 1)
         n_flags = main.flags_per_chunk(chunk, n_hb)
         rows_per_program, unroll, fold_warps = fold_tile(N, n_sm, n_part)
         block_d = fold_block_d(D, rows_per_program)

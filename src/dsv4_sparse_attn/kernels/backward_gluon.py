@@ -51,7 +51,7 @@ from .common import cuda_properties
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON_VERSION, TensorDescriptor,
                      async_load, balanced_order, fake_group_base, hopper_rejects, load_ids, red_f32x4_fake,
                      red_f32x4_lines, red_f32x4_lines_exact, red_f32x4_lines_grid, red_s32x2_lines,
-                     st_f16x4_fake, st_f32x4_fake, fresh, thread_barrier, tma_load, tma_store,
+                     st_bf16x4_fake, st_f16x4_fake, st_f32x4_fake, fresh, thread_barrier, tma_load, tma_store,
                      tma_store_wait)
 
 NAME = "gluon_sm90"
@@ -62,6 +62,7 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 BLOCK_H = 64  # heads of a tile (fewer heads: the tile's other rows are masked)
 BLOCK_K = 64  # slots of a block: partial rows are padded to whole blocks
 ACC_FAKE_ORDER = True  # dKV rows (accumulator and partial rows) are in fake column order
+PARTIAL_BF16 = True  # ``launch`` takes bf16 partial rows (``backward.PARTIAL_16_BF16``, D = 512)
 # The fast mode's reductions: whole 128-byte lines per instruction (hopper.red_f32x4_lines)
 # or half lines (hopper.red_f32x4_fake); ``launch(lines=...)`` overrides it for A/B runs.
 # Whole lines: 6-11% faster at T = 4096 on the H200 under Triton 3.6
@@ -1016,6 +1017,12 @@ def _send_piece(row_ptr, offs_d, acc, on, follower, paired, RED: gl.constexpr,
             red_f32x4_lines(fake_group_base(row_ptr, offs_d), acc, on_el, EVICT_LAST)
         else:
             red_f32x4_fake(fake_group_base(row_ptr, offs_d), acc, on_el)
+    elif row_ptr.dtype.element_ty == gl.bfloat16:  # (bf16 rows, unscaled: a measurement option)
+        # (``rows16`` = (rows, N >= 0): a predicate true at run time that the compiler cannot
+        # fold; with one it can (a constant, or the program id), ptxas serialised the wgmmas
+        # reading the accumulator straight into the stores, and spilled: sm_90, Triton 3.6)
+        keep = gl.full(acc.shape, 1, gl.int32, acc.type.layout) * rows16[1].to(gl.int32)
+        st_bf16x4_fake(fake_group_base(row_ptr, offs_d), acc, keep)
     elif row_ptr.dtype.element_ty == gl.float16:  # (a compile-time choice: the rows' type)
         if len(rows16) == 4:  # (ablation 512, timing only: no store instructions)
             pass
@@ -1215,6 +1222,8 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         offs_kz = _row_pair(offs_ks + z)
         row_ptr, on = _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED, D, ABL)
         rows16 = (PARTIAL, EXP)  # (16-bit rows' scales: D = 512, from each piece's address)
+        if PARTIAL.dtype.element_ty == gl.bfloat16:  # (bf16 rows: no scales; see _send_piece)
+            rows16 = (PARTIAL, N >= 0)
         if ABL & 512:  # (timing only: the tuple's length picks the ablation in ``_send_piece``)
             rows16 = (PARTIAL, EXP, N < 0, 0)
         elif ABL & 1024:
@@ -1587,7 +1596,9 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     is fp16 and this holds its rows' scales (int64 [n_tok, n_hb, partial_slots(K),
     common.scale_words(D, rope)]: a biased exponent byte a segment); D = d_v = 512 or the
     576/512 layout (its score-only columns two segments of 32, one a consumer); ``paired``
-    false (16-bit rows take no head-block pairs).
+    false (16-bit rows take no head-block pairs). With ``partial`` bf16 (D = d_v = 512, a
+    measurement option: ``backward.PARTIAL_16_BF16``) the rows are stored unscaled and
+    ``partial_exp`` is left as it is.
     ``in_order`` (with ``topk_length``, no ``tokens`` or ``order``): the tiles take the
     tokens in their order, not the lengths' balanced order (no ``schedule``; for lengths
     that follow the token order, as a causal indexer's trailing masked slots do). Such
@@ -1606,11 +1617,14 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         raise ValueError(f"exact_codes: sums into the accumulator (no partial rows) at D = d_v = 512, "
                          f"got D = {D}, d_v = {grad_out.shape[-1]}")
     n_tiles = n_tok * n_hb
-    if partial_exp is not None and (partial is None or partial.dtype != torch.float16
-                                    or D not in (512, 576) or grad_out.shape[-1] != 512):
-        raise ValueError("16-bit partial rows: fp16 rows at D = d_v = 512 or the 576/512 layout")
+    if partial_exp is not None and (partial is None or grad_out.shape[-1] != 512
+                                    or not (partial.dtype == torch.float16 and D in (512, 576)
+                                            or partial.dtype == torch.bfloat16 and D == 512)):
+        raise ValueError("16-bit partial rows: fp16 rows at D = d_v = 512 or the 576/512 layout, "
+                         "bf16 rows at D = d_v = 512")
     if partial is not None and partial.dtype != torch.float32 and partial_exp is None:
-        raise ValueError(f"partial rows: fp32, or fp16 with their scales (partial_exp); got {partial.dtype}")
+        raise ValueError(f"partial rows: fp32, or 16-bit with their scale words (partial_exp); "
+                         f"got {partial.dtype}")
     if paired and (partial is None or n_hb % 2):
         raise ValueError("head blocks pair up only on the partial-row path, with an even count")
     grid = _programs(n_tiles, q.device, paired) if programs is None else int(programs)

@@ -78,6 +78,9 @@ _ST16_PTX_SRC = _fake_ptx("l, h0, h1, h2, h3", 8, """    cvt.rn.f16x2.f32 h0, $1
     cvt.rn.f16x2.f32 h3, $23, $22;
     @p st.global.cs.v2.b32 [o], {h0, h1};
     @p8 st.global.cs.v2.b32 [o8], {h2, h3};""")
+# ``st_bf16x4_fake``: the same stores of bf16 values (no scale: bf16 has fp32's exponent range;
+# a measurement option of the deterministic mode, ``backward.PARTIAL_16_BF16``)
+_ST16_BF16_PTX_SRC = _ST16_PTX_SRC.replace("cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32")
 
 # The PTX of ``red_f32x4_lines`` (one instance: 16 registers of a thread; see its docstring).
 # tests/test_fake_column_order.py replays it for every lane. Its two halves (suffix x, then
@@ -273,6 +276,7 @@ if gl is not None:
     _ST_PTX = gl.constexpr(_ST_PTX_SRC)
     _ST_CS_PTX = gl.constexpr(_ST_CS_PTX_SRC)
     _ST16_PTX = gl.constexpr(_ST16_PTX_SRC)
+    _ST16_BF16_PTX = gl.constexpr(_ST16_BF16_PTX_SRC)
     _FAKE_CONSTRAINTS = gl.constexpr(_FAKE_CONSTRAINTS_SRC)
     _LINES_PTX = gl.constexpr(_LINES_PTX_SRC)
     _LINES_PTX_EVICT_LAST = gl.constexpr(_LINES_EVICT_LAST_PTX_SRC)
@@ -400,6 +404,14 @@ if gl is not None:
         deterministic mode's 16-bit partial rows (the values already scaled:
         ``backward_gluon._store_16``). Rows whose ``on`` is 0 are skipped."""
         return gl.inline_asm_elementwise(_ST16_PTX, _FAKE_CONSTRAINTS, [group_base, acc, on],
+                                         dtype=gl.int32, is_pure=False, pack=8)
+
+    @gluon.jit
+    def st_bf16x4_fake(group_base, acc, on):
+        """``st_f16x4_fake`` with the values rounded to bf16 (``cvt.rn.bf16x2.f32``), unscaled:
+        the deterministic mode's bf16 partial rows (a measurement option,
+        ``backward.PARTIAL_16_BF16``)."""
+        return gl.inline_asm_elementwise(_ST16_BF16_PTX, _FAKE_CONSTRAINTS, [group_base, acc, on],
                                          dtype=gl.int32, is_pure=False, pack=8)
 
     @gluon.jit
