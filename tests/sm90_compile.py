@@ -321,18 +321,14 @@ def compile_backward(D: int, H: int, cfg=None, atomic=False, run_ptxas=True, has
                         BWD_DIV16, run_ptxas)
 
 
-def compile_forward_gluon(has_sink=True, run_ptxas=True, has_len=False, rope=0, dead=False,
-                          peel=False) -> dict:
+def compile_forward_gluon(has_sink=True, run_ptxas=True, has_len=False, rope=0, dead=False) -> dict:
     """``rope``: score-only columns after the 512 value columns (the 576/512 layout: 64);
     ``dead``: the build that skips a last odd block past the slots (as the launcher picks it:
-    always with lengths, ``forward_gluon.dead_odd_block``); ``peel``: with lengths, that
-    build with the tile's last pair apart from its loop (``DEAD`` 2,
-    ``forward_gluon.PEEL_LAST_PAIR``)."""
+    always with lengths, ``forward_gluon.dead_odd_block``)."""
     from dsv4_sparse_attn.kernels import forward_gluon as G
     from dsv4_sparse_attn.kernels import hopper
 
-    consts = dict(D=512, HAS_SINK=has_sink, HAS_LEN=has_len, ROPE=rope,
-                  DEAD=2 if peel else bool(has_len or dead))
+    consts = dict(D=512, HAS_SINK=has_sink, HAS_LEN=has_len, ROPE=rope, DEAD=bool(has_len or dead))
     return compile_sm90(G._sparse_mla_fwd_gluon_kernel, FWD_TYPES, consts, hopper.NUM_WARPS, 1,
                         FWD_DIV16, run_ptxas, maxnreg=hopper.MAXNREG)
 

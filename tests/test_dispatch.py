@@ -671,21 +671,6 @@ def test_gluon_backward_lengths_in_token_order_leave_the_remainder_to_parts(monk
     assert [(r["PDL"], r["launch_pdl"]) for r in seen] == pdl
 
 
-@pytest.mark.parametrize("peel", [False, True])
-def test_gluon_forward_last_pair_apart_only_with_lengths(peel):
-    """``forward_gluon.PEEL_LAST_PAIR``: with lengths the ``DEAD`` 2 build (the tile's last
-    pair apart from its loop); without lengths the dead-block build stays as it is (K % 128
-    in [1, 64]), and K with no dead block takes none."""
-    saved = forward_gluon.PEEL_LAST_PAIR
-    forward_gluon.PEEL_LAST_PAIR = peel
-    try:
-        assert forward_gluon._dead(640, True) == (2 if peel else True)
-        assert forward_gluon._dead(160, False) is True
-        assert forward_gluon._dead(640, False) is False
-    finally:
-        forward_gluon.PEEL_LAST_PAIR = saved
-
-
 @pytest.mark.parametrize("option, given", [(True, False), (True, True), (False, False)])
 def test_gluon_forward_trailing_option_takes_lengths_in_token_order(monkeypatch, option, given):
     """``forward_gluon.TRAILING_MASKED_SKIPPED``: without lengths the kernel gets each token's

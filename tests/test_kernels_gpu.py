@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import dsv4_sparse_attn
-from kernel_checks import TOL, Case, check_backward, check_forward, make_case, make_lengths, run_forward
+from kernel_checks import TOL, Case, check_backward, check_forward, make_case, make_lengths
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_triton, dispatch
 from dsv4_sparse_attn.kernels import forward_triton as kfwd
@@ -263,25 +263,6 @@ def test_gluon_backward_skips_trailing_masked_slots(monkeypatch, case, determini
         assert errs.get("dsink", 0) < tol["sink"], (str(case), partial16, errs)
         if deterministic:
             assert all(torch.equal(a, b) for a, b in zip(plain, got)), (str(case), partial16)
-
-
-@pytest.mark.parametrize("case", [c for c in GLUON_CASES if c.lengths], ids=str)
-def test_gluon_forward_last_pair_apart_with_lengths(monkeypatch, case):
-    """``forward_gluon.PEEL_LAST_PAIR`` (the tile's last pair apart from its loop, with
-    lengths): against the float64 oracle (out and lse poisoned with NaN), and bitwise the
-    build with the dead-block branch in the loop (the same blocks in the same order)."""
-    from dsv4_sparse_attn.kernels import forward_gluon
-
-    reason = forward_gluon.rejects(Call.of(torch.empty(1, case.H, case.D, device=DEV, dtype=case.dtype)))
-    if reason:
-        pytest.skip(f"the Gluon forward does not run here: {reason}")
-    monkeypatch.setattr(forward_gluon, "PEEL_LAST_PAIR", False)
-    _, plain = run_forward(case, DEV, fwd=forward_gluon.sparse_mla_fwd)
-    monkeypatch.setattr(forward_gluon, "PEEL_LAST_PAIR", True)
-    errs, got = run_forward(case, DEV, fwd=forward_gluon.sparse_mla_fwd)
-    tol = TOL[case.dtype]
-    assert errs["out"] < tol["out"] and errs["lse"] < tol["lse"], (str(case), errs)
-    assert torch.equal(got[4], plain[4]) and torch.equal(got[5], plain[5]), str(case)
 
 
 @pytest.mark.parametrize("case", TRAIL_CASES, ids=str)

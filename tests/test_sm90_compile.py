@@ -182,27 +182,6 @@ def test_gluon_forward_d512_compiles_for_sm90(has_sink, has_len, dead):
     assert all(lp["R2UR"] <= _r2ur_allowance("forward") for lp in r["mma_loops"]), r["mma_loops"]
 
 
-@pytest.mark.parametrize("rope", [0, 64], ids=["d512", "v32"])
-@pytest.mark.parametrize("has_len", [True, 2], ids=["topk_length", "in_order"])
-@pytest.mark.parametrize("has_sink", [True, False])
-def test_gluon_forward_last_pair_apart_compiles_for_sm90(has_sink, has_len, rope):
-    """With lengths, the tile's last pair apart from the loop (``forward_gluon.PEEL_LAST_PAIR``,
-    ``DEAD`` 2): the block loops hold the wgmmas of the build without a dead block (no
-    branch in consumer 1's), are shorter than the dead-block build's, reload nothing more
-    than it, and no wgmma is serialised; a few bytes spill outside the loops at 576/512."""
-    r = compile_forward_gluon(has_sink=has_sink, has_len=has_len, rope=rope, peel=True)
-    dead = compile_forward_gluon(has_sink=has_sink, has_len=has_len, rope=rope)
-    plain = compile_forward_gluon(has_sink=has_sink, rope=rope)
-    assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
-    assert len(r["mma_loops"]) == 2, r["mma_loops"]
-    assert [lp["HGMMA"] for lp in r["mma_loops"]] == [lp["HGMMA"] for lp in plain["mma_loops"]], \
-        (plain["mma_loops"], r["mma_loops"])
-    assert r["mma_loops"][1]["size"] < dead["mma_loops"][1]["size"], (dead["mma_loops"], r["mma_loops"])
-    assert all(lp["LDL"] <= ld["LDL"] for lp, ld in zip(r["mma_loops"], dead["mma_loops"])), \
-        (dead["mma_loops"], r["mma_loops"])
-    assert r["spill_bytes"] <= dead["spill_bytes"] + 32, (dead, r)
-
-
 @pytest.mark.parametrize("has_len, dead", [(False, False), (True, True), (False, True), (2, True)],
                          ids=["", "topk_length", "dead_odd_block", "in_order"])
 @pytest.mark.parametrize("has_sink", [True, False])

@@ -194,8 +194,7 @@ def _consumer(args, WG: gl.constexpr, HAS_SINK: gl.constexpr, HAS_LEN: gl.conste
     """Consumer ``WG`` (0 or 1): S of blocks j = WG mod 2, O[:, WG*DH:(WG+1)*DH] of every block.
     ``ROPE`` > 0 (the 576/512 layout): ``rope_io`` is (Q, stride_qt, stride_qh, kvr_smem).
     ``DEAD``: a tile's last pair may have its odd block wholly past the tile's slots (with
-    lengths, or K % 128 in [1, 64]), which both consumers then skip; 2 (with lengths): that
-    pair is taken apart from the loop over the others (``PEEL_LAST_PAIR``)."""
+    lengths, or K % 128 in [1, 64]), which both consumers then skip."""
     io, sizes, strides, smem, n_pairs, scale_log2 = args
     T, H, N, K = sizes
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -379,38 +378,16 @@ def _consume_tile(io, sizes, strides, smem, n_pairs, scale_log2, pid_t, pid_h, t
         rope = 0
 
     mbarrier.wait(bars.index(_Q_READY), tcount & 1)
-    if DEAD == 2:
-        # Only a tile's last pair can have a dead odd block: the pairs before it run the
-        # loop of the build without one (no branch in it), the last one apart.
-        for i in range(0, n_pairs - 1):
-            ph = (pair0 + i) & 1
-            pair = (i, ph, n_pairs, idx_row, N, K, scale_log2, offs_c, s_zero)
-            acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, False, ROPE, rope)
-        if n_pairs > 0:
-            i_last = n_pairs - 1
-            ph = (pair0 + i_last) & 1
-            pair = (i_last, ph, n_pairs, idx_row, N, K, scale_log2, offs_c, s_zero)
-            if WG == 1:
-                if (2 * i_last + 1) * BK < K:
-                    acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, DEAD, ROPE,
-                                                         rope)
-                else:
-                    acc, l_i, m_cur, ids = _consume_dead_odd_block(smem, pair, acc, l_i, m_cur, ids)
-            else:
+    for i in range(0, n_pairs):
+        ph = (pair0 + i) & 1
+        pair = (i, ph, n_pairs, idx_row, N, K, scale_log2, offs_c, s_zero)
+        if DEAD and WG == 1:
+            if (2 * i + 1) * BK < K:
                 acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, DEAD, ROPE, rope)
-    else:
-        for i in range(0, n_pairs):
-            ph = (pair0 + i) & 1
-            pair = (i, ph, n_pairs, idx_row, N, K, scale_log2, offs_c, s_zero)
-            if DEAD and WG == 1:
-                if (2 * i + 1) * BK < K:
-                    acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, DEAD, ROPE,
-                                                         rope)
-                else:  # the pair's odd block is all past the tile's slots
-                    acc, l_i, m_cur, ids = _consume_dead_odd_block(smem, pair, acc, l_i, m_cur, ids)
-            else:
-                acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, DEAD, ROPE,
-                                                     rope)
+            else:  # the pair's odd block is all past the tile's slots
+                acc, l_i, m_cur, ids = _consume_dead_odd_block(smem, pair, acc, l_i, m_cur, ids)
+        else:
+            acc, l_i, m_cur, ids = _consume_pair(smem, pair, acc, l_i, m_cur, ids, WG, DEAD, ROPE, rope)
 
     mbarrier.arrive(bars.index(_Q_FREE), pred=n_pairs == 0)  # K = 0: no S read q
 
@@ -486,7 +463,6 @@ def _sparse_mla_fwd_gluon_kernel(
 ):
     gl.static_assert(D == 2 * _DH, "the Gluon forward takes D = 512 value columns")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
-    gl.static_assert(DEAD != 2 or HAS_LEN > 0, "the last pair apart from the loop: with lengths only")
     BH: gl.constexpr = _BH
     BK: gl.constexpr = _BK
     DH: gl.constexpr = _DH
@@ -546,21 +522,6 @@ TRAILING_MASKED_SKIPPED = False
 # Skip a tile's last odd block where it lies wholly past K (K % 128 in [1, 64]: K = 160
 # ran its 3 blocks as 4) or past a token's length; False: compute it, masked (A/B runs).
 SKIP_DEAD_ODD_BLOCK = True
-# With lengths, a tile's last block pair apart from its loop (``DEAD`` 2: the pairs before it
-# run the loop of the build without a dead block, whose consumer 1 then has no branch). The
-# lengths builds' loops go from 844 / 1032 instructions to 803-810 / 819 with no reload at
-# D = 512 and 576/512 (sm_90, Triton 3.6; without lengths, where K % 128 leaves a dead
-# block, it spills and reloads: not there). Off: bitwise the same, and within the noise of
-# the branch in the loop on an H100 (-0.7% to +1.6%; a measurement option,
-# docs/performance/forward.md#the-last-pair-apart-with-lengths).
-PEEL_LAST_PAIR = False
-
-
-def _dead(K: int, has_len: bool):
-    """The kernel's ``DEAD``: False, True (``dead_odd_block``), or 2 (with lengths and
-    ``PEEL_LAST_PAIR``: the last pair apart from the loop)."""
-    dead = dead_odd_block(K, has_len)
-    return 2 if dead and has_len and PEEL_LAST_PAIR else dead
 
 
 def dead_odd_block(K: int, has_len: bool) -> bool:
@@ -625,7 +586,7 @@ def sparse_mla_fwd(q, kv, indices, attn_sink, scale, out=None, lse=None, topk_le
         *args, topk_length if topk_length is not None else indices, order if order is not None else indices,
         # (HAS_LEN 2: lengths in token order; the default builds keep their bool key)
         D=dv, HAS_SINK=attn_sink is not None, HAS_LEN=2 if trailing else topk_length is not None, ROPE=D - dv,
-        DEAD=_dead(indices.shape[1], topk_length is not None),
+        DEAD=dead_odd_block(indices.shape[1], topk_length is not None),
         num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
     return out, lse
