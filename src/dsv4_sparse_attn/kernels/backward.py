@@ -25,6 +25,7 @@ longest first (``length_order``), so that a chunk's tokens have like lengths.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -904,22 +905,16 @@ class _Inverter:
         return inv[1:]
 
 
-class _on_stream:
+@contextlib.contextmanager
+def _on_stream(stream):
     """``with _on_stream(s)``: the work enqueued in the block runs on stream ``s`` after the
     current stream's work so far (None: on the current stream)."""
-
-    def __init__(self, stream):
-        self.stream, self.ctx = stream, None
-
-    def __enter__(self):
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-            self.ctx = torch.cuda.stream(self.stream)
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
 
 
 _BESIDE = {}

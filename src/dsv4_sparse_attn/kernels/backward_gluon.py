@@ -1095,11 +1095,10 @@ def _store_16_ablated(row_ptr, offs_d, acc, PARTIAL, EXP, KEEP, UNSCALED: gl.con
     rows are then wrong): every store predicated off by ``KEEP`` (a run-time flag, false;
     ablation 8) and, with ``UNSCALED`` (1024), no scaling either (the values converted as
     they are). (Ablation 512, no store instructions at all, is ``_send_piece``'s.)"""
+    ones = gl.full(acc.shape, 1, gl.int32, acc.type.layout) * KEEP.to(gl.int32)
     if UNSCALED:
-        ones = gl.full(acc.shape, 1, gl.int32, acc.type.layout) * KEEP.to(gl.int32)
         st_f16x4_fake(fake_group_base(row_ptr, offs_d), acc, ones)
     else:
-        ones = gl.full(acc.shape, 1, gl.int32, acc.type.layout) * KEEP.to(gl.int32)
         s, inv = _segment_scale(acc)
         st_f16x4_fake(fake_group_base(row_ptr, offs_d), acc * inv[:, None], ones)
         gl.store(_scale_bytes(row_ptr, PARTIAL, EXP), (s + 127).to(gl.uint8), mask=(s > -1000) & KEEP)
@@ -1224,8 +1223,8 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         rows16 = (PARTIAL, EXP)  # (16-bit rows' scales: D = 512, from each piece's address)
         if PARTIAL.dtype.element_ty == gl.bfloat16:  # (bf16 rows: no scales; see _send_piece)
             rows16 = (PARTIAL, N >= 0)
-        if ABL & 512:  # (timing only: the tuple's length picks the ablation in ``_send_piece``)
-            rows16 = (PARTIAL, EXP, N < 0, 0)
+        elif ABL & 512:  # (fp16 rows, timing only: the tuple's length picks the ablation in
+            rows16 = (PARTIAL, EXP, N < 0, 0)  # ``_send_piece``)
         elif ABL & 1024:
             rows16 = (PARTIAL, EXP, N < 0, 0, 0)
         elif ABL & 8:
