@@ -410,18 +410,28 @@ def test_evict_last_variant_differs_only_in_the_cache_policy():
     assert undo == base
 
 
-@pytest.mark.parametrize("n", [64, 32])
-def test_16_bit_partial_row_stores_put_every_value_at_its_fake_column(n):
-    """``hopper.st_f16x4_fake`` (the deterministic mode's 16-bit partial rows): its asm
-    replayed for every lane of the wgmma accumulator layout puts each value, rounded to
-    fp16, at ``fake_col`` of its column in its slot's fp16 row, 8 aligned bytes a store,
-    and stores nothing for a row whose ``on`` is 0. ``n`` = 32: a [64, 32] piece (the
-    576/512 layout's score-only half of a Gluon consumer)."""
-    import struct
+def _half(bits: int, fmt: str) -> float:
+    """A 16-bit word as the float it holds: fp16 or bf16."""
+    return torch.tensor(bits, dtype=torch.int32).to(torch.int16).view(
+        torch.float16 if fmt == "fp16" else torch.bfloat16).float().item()
 
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+@pytest.mark.parametrize("n", [64, 32])
+def test_16_bit_partial_row_stores_put_every_value_at_its_fake_column(n, fmt):
+    """``hopper.st_f16x4_fake`` (the deterministic mode's 16-bit partial rows) and
+    ``hopper.st_bf16x4_fake`` (bf16 rows, a measurement option: the same asm with the bf16
+    conversion): replayed for every lane of the wgmma accumulator layout, each puts each
+    value, rounded to its format, at ``fake_col`` of its column in its slot's 16-bit row, 8
+    aligned bytes a store, and stores nothing for a row whose ``on`` is 0. ``n`` = 32: a
+    [64, 32] piece (the 576/512 layout's score-only half of a Gluon consumer)."""
     from dsv4_sparse_attn.kernels import hopper
 
     stmts = _lines_asm(hopper._ST16_PTX_SRC)
+    if fmt == "bf16":
+        bf16 = _lines_asm(hopper._ST16_BF16_PTX_SRC)
+        assert bf16 == [st.replace("cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32") for st in stmts]
+        stmts = bf16
     row_bytes, masked = 1024 + 64, {5, 40}  # (a row stride past the row: no overlap)
 
     def value(row, col):
@@ -435,49 +445,14 @@ def test_16_bit_partial_row_stores_put_every_value_at_its_fake_column(n):
                 row, off = divmod(addr, row_bytes)
                 for k, w in enumerate(words):
                     for h in range(2):
-                        half = struct.unpack("<e", struct.pack("<H", w >> (16 * h) & 0xFFFF))[0]
-                        rows[(row, off // 2 + 2 * k + h)] = half
+                        rows[(row, off // 2 + 2 * k + h)] = _half(w >> (16 * h) & 0xFFFF, fmt)
     assert not any(r in masked for r, _ in rows)
     want = fake_col(torch.arange(n)).tolist()
     assert len(rows) == (64 - len(masked)) * n
+    dtype = torch.float16 if fmt == "fp16" else torch.bfloat16
     for row in range(64):
         if row in masked:
             continue
         for col in range(n):
-            expect = struct.unpack("<e", struct.pack("<e", value(row, col)))[0]
-            assert rows[(row, want[col])] == expect, (row, col)
-
-
-def test_bf16_partial_row_stores_put_every_value_at_its_fake_column():
-    """``hopper.st_bf16x4_fake`` (bf16 partial rows, a measurement option of the
-    deterministic mode): its asm replayed for every lane puts each value, rounded to bf16,
-    at ``fake_col`` of its column in its slot's row, 8 aligned bytes a store, and nothing
-    for a row whose ``on`` is 0."""
-    from dsv4_sparse_attn.kernels import hopper
-
-    stmts = _lines_asm(hopper._ST16_BF16_PTX_SRC)
-    f16 = _lines_asm(hopper._ST16_PTX_SRC)
-    assert stmts == [st.replace("cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32") for st in f16]
-    row_bytes, masked = 1024 + 64, {3, 61}
-
-    def value(row, col):
-        return (row * 64 + col) / 7.0 - 300.0
-
-    rows = {}
-    for regs in _lines_instances(row_bytes, masked, value, pack=8, group_bytes=32, n=64):
-        for store in _run_ptx(stmts, regs):
-            for _, addr, words in store:
-                assert addr % 8 == 0 and len(words) == 2
-                row, off = divmod(addr, row_bytes)
-                for k, w in enumerate(words):
-                    for h in range(2):
-                        bits = torch.tensor(w >> (16 * h) & 0xFFFF, dtype=torch.int32).to(torch.int16)
-                        rows[(row, off // 2 + 2 * k + h)] = bits.view(torch.bfloat16).float().item()
-    want = fake_col(torch.arange(64)).tolist()
-    assert len(rows) == (64 - len(masked)) * 64
-    for row in range(64):
-        if row in masked:
-            continue
-        for col in range(64):
-            expect = torch.tensor(value(row, col)).bfloat16().float().item()
+            expect = torch.tensor(value(row, col)).to(dtype).float().item()
             assert rows[(row, want[col])] == expect, (row, col)
