@@ -8,7 +8,7 @@ keys by other means than the shipped batched sort.
 
 Fold arms (``backward`` module options): the shipped fold by rows (one row a program,
 rows in order); its programs in reverse row order (``FOLD_ROWS_REVERSED``: the pool rows,
-the longest, first); each step's entry positions loaded a step ahead (``FOLD_PREFETCH``); the fold by entry runs (``FOLD_RUNS``, two configurations); other row
+the longest, first); the fold by entry runs (``FOLD_RUNS``, two configurations); other row
 tiles (``fold_tile``). Sort arms, on the keys of the call's first group of chunks
 (``_sort_keys_kernel``'s): the shipped ``torch.sort(dim=-1)`` of [g, n] int16 keys and
 ``searchsorted``; one 1-D sort a chunk; one 1-D sort of int32 keys (chunk * 2^16 + row);
@@ -38,8 +38,6 @@ def fold_arms():
         ("shipped", {}),  # (the default: since 19edd09, rows reversed and four entries a step at H = 128)
         ("at_19edd09", dict(FOLD_ROWS_REVERSED=False, fold_tile=lambda N, n, n_part=1: (1, 8, 4))),
         ("reversed", dict(FOLD_ROWS_REVERSED=True)),
-        ("prefetch", dict(FOLD_PREFETCH=True)),  # (each step's positions loaded a step ahead)
-        ("prefetch_1_8_4", dict(FOLD_PREFETCH=True, fold_tile=lambda N, n, n_part=1: (1, 8, 4))),
         ("sort_inline", dict(SORT_BESIDE=False)),  # (the inversions on the caller's stream, as at 1a0c656)
         ("runs_4_2_16", dict(FOLD_RUNS=True, FOLD_RUNS_CONFIG=(4, 2, 16, True))),
         ("runs_8_4_8", dict(FOLD_RUNS=True, FOLD_RUNS_CONFIG=(8, 4, 8, True))),

@@ -65,7 +65,9 @@ PARTIAL_16 = True
 # the Gluon main kernel at D = d_v = 512): no segment maxima, scales or multiplies in the
 # main kernel (26% of its block loop's instructions, sm_90) and no scale words in the fold,
 # for each row rounded to bf16 (grad_kv's error about 1.4x its own bf16 rounding, against
-# 1.01x with scaled fp16: docs/performance/backward.md#partial-rows-in-16-bits).
+# 1.01x with scaled fp16: docs/performance/backward.md#partial-rows-in-16-bits). H100, T = 4096:
+# the call 2.6-7.0% shorter (H64 K640 3.2%), not enough to trade the precision for
+# (docs/performance/backward.md#what-the-deterministic-main-kernel-pays-for-its-16-bit-rows-measured).
 PARTIAL_16_BF16 = False
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
@@ -144,10 +146,6 @@ FOLD_RUNS = None
 # docs/performance/backward.md#the-folds-longest-rows-first-kept). Any order, the same bits.
 FOLD_ROWS_REVERSED = True
 FOLD_RUNS_CONFIG = (4, 2, 16, True)
-# The fold by rows loads each step's entry positions a step ahead, so that a step waits on
-# one load (its rows) rather than two in a chain (the positions, then the rows). Any
-# setting, the same bits.
-FOLD_PREFETCH = False
 # kv rows an SM beyond which a chunk leaves most rows without entries (long contexts): the
 # fold by rows takes several rows a program there (``fold_tile``), the fold by entry runs
 # takes over (``fold_runs``)
@@ -209,28 +207,12 @@ def _bwd_delta_kernel(
 
 
 @triton.jit
-def _positions(ORDER, e, end):
-    """Entries e .. e + 3 of each of the program's rows (``e`` [ROWS]): their flat
-    (token-in-chunk, slot) positions and whether each is before its row's ``end``."""
-    ok0, ok1, ok2, ok3 = e < end, e + 1 < end, e + 2 < end, e + 3 < end
-    return (tl.load(ORDER + e, mask=ok0, other=0), ok0, tl.load(ORDER + e + 1, mask=ok1, other=0), ok1,
-            tl.load(ORDER + e + 2, mask=ok2, other=0), ok2, tl.load(ORDER + e + 3, mask=ok3, other=0), ok3)
-
-
-@triton.jit
 def _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.constexpr, D: tl.constexpr,
                 MASK_D: tl.constexpr, EXP=None, P16: tl.constexpr = False):
     """[ROWS, BLOCK_D]: for each of the program's rows, its entry ``e`` (its head-block parts
     added in order), 0 where ``e`` is past the row's ``end``."""
     ok = e < end
     entry = tl.load(ORDER + e, mask=ok, other=0)  # flat (token-in-chunk, slot)
-    return _rows_at(PARTIAL, entry, ok, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D, EXP, P16)
-
-
-@triton.jit
-def _rows_at(PARTIAL, entry, ok, K, k_stride, offs_d, d_ok, N_HB: tl.constexpr, D: tl.constexpr,
-             MASK_D: tl.constexpr, EXP=None, P16: tl.constexpr = False):
-    """``_entry_rows`` of the entries at flat positions ``entry`` ([ROWS]; 0 where not ``ok``)."""
     cols = _runs_of_4(offs_d) if P16 else offs_d
     ptr = _partial_row(PARTIAL, entry, K, k_stride, N_HB, D)[:, None] + cols[None, :]
     if MASK_D:
@@ -331,23 +313,11 @@ def _four_entries(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.co
     return x0, x1, x2, x3
 
 
-@triton.jit
-def _four_rows_at(PARTIAL, n0, k0, n1, k1, n2, k2, n3, k3, K, k_stride, offs_d, d_ok, N_HB: tl.constexpr,
-                  D: tl.constexpr, MASK_D: tl.constexpr, EXP=None, P16: tl.constexpr = False):
-    """``_four_entries`` of positions already loaded (``_positions``)."""
-    x0 = _rows_at(PARTIAL, n0, k0, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D, EXP, P16)
-    x1 = _rows_at(PARTIAL, n1, k1, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D, EXP, P16)
-    x2 = _rows_at(PARTIAL, n2, k2, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D, EXP, P16)
-    x3 = _rows_at(PARTIAL, n3, k3, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D, EXP, P16)
-    return x0, x1, x2, x3
-
-
 @triton.jit(do_not_specialize=["K", "k_stride", "N"])
 def _dkv_reduce_kernel(
     PARTIAL, ORDER, SEG, ACC, K, k_stride, N,
     D: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, MASK_D: tl.constexpr, ROWS: tl.constexpr,
     UNROLL: tl.constexpr, EXP=None, P16: tl.constexpr = False, REVERSED: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
     """acc[n] += row n's per-slot partials of this chunk, one after the other in sorted
     (token, slot) order: a sequential fold that continues from the previous chunks' sum,
@@ -383,27 +353,13 @@ def _dkv_reduce_kernel(
             live = live & d_ok[None, :]
         acc_ptr = ACC + rows[:, None] * D + offs_d[None, :]
         acc = tl.load(acc_ptr, mask=live, other=0.0)
-        if PREFETCH:  # (the first step's positions; each step then loads the next step's)
-            n0, k0, n1, k1, n2, k2, n3, k3 = _positions(ORDER, start, end)
-            n4, k4, n5, k5, n6, k6, n7, k7 = _positions(ORDER, start + 4, end)
         for e0 in range(0, n_max, UNROLL):
             e = start + e0
-            if PREFETCH:
-                m0, j0, m1, j1, m2, j2, m3, j3 = _positions(ORDER, e + UNROLL, end)
-                x0, x1, x2, x3 = _four_rows_at(PARTIAL, n0, k0, n1, k1, n2, k2, n3, k3, K, k_stride, offs_d,
-                                               d_ok, N_HB, D, MASK_D, EXP, P16)
-                if UNROLL == 8:
-                    m4, j4, m5, j5, m6, j6, m7, j7 = _positions(ORDER, e + UNROLL + 4, end)
-                    x4, x5, x6, x7 = _four_rows_at(PARTIAL, n4, k4, n5, k5, n6, k6, n7, k7, K, k_stride,
-                                                   offs_d, d_ok, N_HB, D, MASK_D, EXP, P16)
-                    n4, k4, n5, k5, n6, k6, n7, k7 = m4, j4, m5, j5, m6, j6, m7, j7
-                n0, k0, n1, k1, n2, k2, n3, k3 = m0, j0, m1, j1, m2, j2, m3, j3
-            else:
-                x0, x1, x2, x3 = _four_entries(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB, D,
+            x0, x1, x2, x3 = _four_entries(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
+                                           EXP, P16)
+            if UNROLL == 8:
+                x4, x5, x6, x7 = _four_entries(PARTIAL, ORDER, e + 4, end, K, k_stride, offs_d, d_ok, N_HB, D,
                                                MASK_D, EXP, P16)
-                if UNROLL == 8:
-                    x4, x5, x6, x7 = _four_entries(PARTIAL, ORDER, e + 4, end, K, k_stride, offs_d, d_ok,
-                                                   N_HB, D, MASK_D, EXP, P16)
             acc += x0
             acc += x1
             acc += x2
@@ -891,7 +847,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                 _dkv_reduce_kernel[(triton.cdiv(N, rows_per_program), triton.cdiv(D, block_d))](
                     partial, order[c], seg[c], acc, K, k_stride, N,
                     D=D, BLOCK_D=block_d, N_HB=n_part, MASK_D=D % block_d != 0, ROWS=rows_per_program,
-                    UNROLL=unroll, REVERSED=FOLD_ROWS_REVERSED, PREFETCH=FOLD_PREFETCH,
+                    UNROLL=unroll, REVERSED=FOLD_ROWS_REVERSED,
                     num_warps=fold_warps, **fold16,
                 )
 
