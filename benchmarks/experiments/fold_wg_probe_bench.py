@@ -1,9 +1,9 @@
-"""Probe for a fold inside the deterministic main kernel: how fast one warp group an SM,
-with the registers a fourth partition of the main kernel could have (32 a thread), folds a
-chunk's 16-bit partial rows when its entries' rows come into shared memory by ``cp.async``
-(no registers held for the bytes in flight) rather than by plain loads.
+"""Probe for a fold inside the deterministic main kernel: how fast one warp group an SM, with
+few registers (32 a thread; in the main kernel the producer would fold, with 64 less its
+own), folds a chunk's 16-bit partial rows when its entries' rows come into shared memory by
+``cp.async`` (no registers held for the bytes in flight) rather than by plain loads.
 
-The probe kernel (``_fold_wg_kernel``, Gluon, one warp group a program, ``maxnreg`` 32) folds
+The probe kernel (``fold_kernel``, one warp group a program, ``maxnreg`` 32) folds
 the kv rows N - 1 - pid, N - 1 - pid - G, ... (the shipped fold's longest-first order) of one
 chunk: per row, blocks of P entries whose positions and scale words go to shared memory,
 then tiles of E entries' rows copied by ``cp.async`` into a ring of STAGES tiles, each
@@ -26,51 +26,55 @@ import triton
 import triton.testing
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import async_copy as _cp
 
 from bench import make_inputs
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels.hopper import async_load, thread_barrier
-from triton.experimental.gluon.language.nvidia.hopper import async_copy as cp
+
+# (unswizzled, row-major: a view of another rank is the same bytes; a view's layout has
+# its shape's rank or one less, so each buffer is also seen with a 1-D layout to take
+# single rows out of it)
+_FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+_FLAT1 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+
+@gluon.jit
+def fold_smem(D: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr, P: gl.constexpr):
+    """``fold_rows``' shared memory: the ring of tiles, a block's positions and scale
+    words (D = 512, E = 8, STAGES = 2, P = 128: 17.9 KB)."""
+    buf = gl.allocate_shared_memory(gl.float16, [STAGES, E, D], _FLAT)
+    pos_s = gl.allocate_shared_memory(gl.int32, [P // E, E], _FLAT1)
+    w_s = gl.allocate_shared_memory(gl.int64, [P, 1], _FLAT1)
+    return buf, pos_s, w_s
 
 
 @gluon.jit
 def _issue(buf, pos_s, PART, slot, k0, n_b, D: gl.constexpr, E: gl.constexpr, P: gl.constexpr,
            cp_l: gl.constexpr):
-    """cp.async of entries k0 .. k0 + E - 1 of the block (rows of PART at the positions in
-    ``pos_s``; zeros past ``n_b``, and a whole tile of zeros past the block's P entries)
+    """cp.async of the block's entries k0 .. k0 + E - 1 (the partial rows at the
+    positions in ``pos_s``; zeros past ``n_b``, a whole tile of zeros past the block)
     into tile ``slot`` of ``buf``."""
     e = gl.arange(0, E, layout=gl.SliceLayout(1, cp_l))
     c = gl.arange(0, D, layout=gl.SliceLayout(0, cp_l))
     ok = (k0 + e) < n_b
-    pos = _positions_of(pos_s, k0, E, P, cp_l)
-    ptrs = PART + pos.to(gl.int64)[:, None] * D + c[None, :]
-    async_load(buf.index(slot), ptrs, mask=ok[:, None])
+    pos = pos_s.index(gl.minimum(k0 // E, P // E - 1)).load(gl.SliceLayout(1, cp_l))
+    async_load(buf.index(slot), PART + pos.to(gl.int64)[:, None] * D + c[None, :], mask=ok[:, None])
 
 
 @gluon.jit
-def _positions_of(pos_s, k0, E: gl.constexpr, P: gl.constexpr, cp_l: gl.constexpr):
-    """Positions k0 .. k0 + E - 1 of the block (``pos_s`` is [P // E, E]: tile k0 // E; past
-    the block, its last tile's, masked by the caller)."""
-    return pos_s.index(gl.minimum(k0 // E, P // E - 1)).load(gl.SliceLayout(1, cp_l))
-
-
-@gluon.jit
-def _fold_wg_kernel(PART, EXP, ORDER, SEG, ACC, N, D: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr,
-                    P: gl.constexpr):
-    cp_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [E, D]: 16 bytes a copy
+def fold_rows(PART, EXP, ORDER, SEG, ACC, N, first, step, buf, pos_s, w_s, D: gl.constexpr,
+              E: gl.constexpr, STAGES: gl.constexpr, P: gl.constexpr):
+    """acc[r] += the chunk's entries of row r, in order, for r = N - 1 - first, N - 1 -
+    first - step, ... (one warp group; see the module). PART: fp16 rows [entries, D]
+    (an entry's row is its flat (token-in-chunk, slot) position), EXP: an int64 scale
+    word an entry (a biased exponent byte a 64-column segment)."""
+    cp_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [E, D]: 16-byte copies
     acc_l: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])  # [D]: 4 columns a thread
-    pe_l: gl.constexpr = gl.BlockedLayout([1, 1], [32 // E, E], [4, 1], [1, 0])  # [P // E, E]: one a thread
-    pw_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])  # [P, 1]: an entry a thread
+    pe_l: gl.constexpr = gl.BlockedLayout([1, 1], [32 // E, E], [4, 1], [1, 0])  # [P // E, E]
+    pw_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])  # [P, 1]
     one_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    # (unswizzled, row-major: a view of another rank is the same bytes; a view's layout has
-    # its shape's rank or one less, so each buffer is also seen with a 1-D layout to take
-    # single rows out of it)
-    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    flat1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    buf = gl.allocate_shared_memory(gl.float16, [STAGES, E, D], flat)  # the cp.async tiles
-    rows_s = buf._reinterpret(gl.float16, [STAGES * E, D], flat1)  # the same, a row at a time
-    pos_s = gl.allocate_shared_memory(gl.int32, [P // E, E], flat1)
-    w_s = gl.allocate_shared_memory(gl.int64, [P, 1], flat1)
+    rows_s = buf._reinterpret(gl.float16, [STAGES * E, D], _FLAT1)  # (the tiles, a row at a time)
     cols = gl.arange(0, D, layout=acc_l)
     seg = cols // 64
     sh = (seg % 4) * 8
@@ -78,10 +82,8 @@ def _fold_wg_kernel(PART, EXP, ORDER, SEG, ACC, N, D: gl.constexpr, E: gl.conste
     k2 = (gl.arange(0, P // E, layout=gl.SliceLayout(1, pe_l))[:, None] * E
           + gl.arange(0, E, layout=gl.SliceLayout(0, pe_l))[None, :])
     kw = gl.arange(0, P, layout=gl.SliceLayout(1, pw_l))[:, None]
-    pid = gl.program_id(0)
-    G = gl.num_programs(0)
-    t_all = 0  # tiles issued so far (the ring's slot of a tile)
-    for i in range(pid, N, G):
+    t_all = 0  # tiles issued so far (a tile's slot in the ring)
+    for i in range(first, N, step):
         r = N - 1 - i
         start = gl.load(SEG + r)
         end = gl.load(SEG + r + 1)
@@ -93,18 +95,18 @@ def _fold_wg_kernel(PART, EXP, ORDER, SEG, ACC, N, D: gl.constexpr, E: gl.conste
                 entw = gl.load(ORDER + b0 + kw, mask=kw < n_b, other=0)
                 w = gl.load(EXP + entw, mask=kw < n_b, other=0)
                 thread_barrier()  # (the previous block's tiles and words are read)
-                pos_s._reinterpret(gl.int32, [P // E, E], flat).store(ent2.to(gl.int32))
-                w_s._reinterpret(gl.int64, [P, 1], flat).store(w)
+                pos_s._reinterpret(gl.int32, [P // E, E], _FLAT).store(ent2.to(gl.int32))
+                w_s._reinterpret(gl.int64, [P, 1], _FLAT).store(w)
                 thread_barrier()
                 n_t = gl.cdiv(n_b, E)
                 for s in gl.static_range(STAGES - 1):
                     _issue(buf, pos_s, PART, (t_all + s) % STAGES, s * E, n_b, D, E, P, cp_l)
-                    cp.commit_group()
+                    _cp.commit_group()
                 for t in range(n_t):
                     nxt = t + STAGES - 1  # (past the block's entries: a tile of zeros, never read)
                     _issue(buf, pos_s, PART, (t_all + nxt) % STAGES, nxt * E, n_b, D, E, P, cp_l)
-                    cp.commit_group()
-                    cp.wait_group(STAGES - 1)
+                    _cp.commit_group()
+                    _cp.wait_group(STAGES - 1)
                     thread_barrier()
                     r0 = ((t_all + t) % STAGES) * E
                     for j in gl.static_range(E):
@@ -114,8 +116,17 @@ def _fold_wg_kernel(PART, EXP, ORDER, SEG, ACC, N, D: gl.constexpr, E: gl.conste
                         acc += x * (((half >> sh) & 0xFF) << 23).to(gl.float32, bitcast=True)
                     thread_barrier()  # (the tile's slot is written again STAGES - 1 tiles on)
                 t_all += n_t + STAGES - 1
-                cp.wait_group(0)
+                _cp.wait_group(0)
             gl.store(ACC + r * D + cols, acc)
+
+
+@gluon.jit
+def fold_kernel(PART, EXP, ORDER, SEG, ACC, N, D: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr,
+                P: gl.constexpr):
+    """``fold_rows`` alone, one warp group a program (the probe's kernel)."""
+    buf, pos_s, w_s = fold_smem(D, E, STAGES, P)
+    fold_rows(PART, EXP, ORDER, SEG, ACC, N, gl.program_id(0), gl.num_programs(0), buf, pos_s, w_s,
+              D, E, STAGES, P)
 
 
 def main():
@@ -148,8 +159,8 @@ def main():
     maxnreg = int(os.environ.get("MAXNREG", 32))
 
     def probe(grid, a, E, stages):
-        return _fold_wg_kernel[(grid,)](part, exp, order, seg, a, N, D=D, E=E, STAGES=stages, P=128,
-                                        num_warps=4, maxnreg=maxnreg)
+        return fold_kernel[(grid,)](part, exp, order, seg, a, N, D=D, E=E, STAGES=stages, P=128,
+                                    num_warps=4, maxnreg=maxnreg)
     for grid in (n_sm, n_sm // 2, n_sm // 4):
         for E, stages in ((8, 2), (8, 3), (16, 2), (4, 4)):
             try:
