@@ -1,5 +1,5 @@
 """Probe for a fold inside the deterministic main kernel: how fast one warp group an SM, with
-few registers (32 a thread; in the main kernel the producer would fold, with 64 less its
+few registers (32 a thread; in the main kernel the producer would fold, with 56 less its
 own), folds a chunk's 16-bit partial rows when its entries' rows come into shared memory by
 ``cp.async`` (no registers held for the bytes in flight) rather than by plain loads.
 
