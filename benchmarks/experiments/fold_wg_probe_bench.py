@@ -37,6 +37,17 @@ from dsv4_sparse_attn.kernels.hopper import async_load, thread_barrier
 # single rows out of it)
 _FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 _FLAT1 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+# (Triton 3.9 renamed the descriptors' ``_reinterpret`` to ``reinterpret``)
+_NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+
+@gluon.jit
+def _view(mem, dtype: gl.constexpr, rows: gl.constexpr, cols: gl.constexpr, layout: gl.constexpr):
+    """``mem`` seen as [rows, cols] of ``dtype`` with ``layout`` (the same bytes)."""
+    if _NEW_REINTERPRET:
+        return mem.reinterpret(dtype, [rows, cols], layout)
+    else:
+        return mem._reinterpret(dtype, [rows, cols], layout)
 
 
 @gluon.jit
@@ -74,7 +85,7 @@ def fold_rows(PART, EXP, ORDER, SEG, ACC, N, first, step, buf, pos_s, w_s, D: gl
     pe_l: gl.constexpr = gl.BlockedLayout([1, 1], [32 // E, E], [4, 1], [1, 0])  # [P // E, E]
     pw_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])  # [P, 1]
     one_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    rows_s = buf._reinterpret(gl.float16, [STAGES * E, D], _FLAT1)  # (the tiles, a row at a time)
+    rows_s = _view(buf, gl.float16, STAGES * E, D, _FLAT1)  # (the tiles, a row at a time)
     cols = gl.arange(0, D, layout=acc_l)
     seg = cols // 64
     sh = (seg % 4) * 8
@@ -95,8 +106,8 @@ def fold_rows(PART, EXP, ORDER, SEG, ACC, N, first, step, buf, pos_s, w_s, D: gl
                 entw = gl.load(ORDER + b0 + kw, mask=kw < n_b, other=0)
                 w = gl.load(EXP + entw, mask=kw < n_b, other=0)
                 thread_barrier()  # (the previous block's tiles and words are read)
-                pos_s._reinterpret(gl.int32, [P // E, E], _FLAT).store(ent2.to(gl.int32))
-                w_s._reinterpret(gl.int64, [P, 1], _FLAT).store(w)
+                _view(pos_s, gl.int32, P // E, E, _FLAT).store(ent2.to(gl.int32))
+                _view(w_s, gl.int64, P, 1, _FLAT).store(w)
                 thread_barrier()
                 n_t = gl.cdiv(n_b, E)
                 for s in gl.static_range(STAGES - 1):
