@@ -1162,3 +1162,40 @@ def test_op_takes_unaligned_rows_on_the_gluon_kernels(deterministic):
     assert relerr(out, ro) < TOL[BF]["out"]
     assert relerr(gq, rq) < TOL[BF]["grad"] and relerr(gkv, rkv) < TOL[BF]["grad"]
     assert relerr(gs, rs) < TOL[BF]["sink"]
+
+
+@pytest.mark.parametrize("H, K, ids, lengths", [(64, 640, "deepseek", False), (128, 640, "deepseek", True),
+                                                (16, 1152, "dup", False), (64, 100, "random", True),
+                                                (128, 160, "empty_rows", False)])
+def test_fold_in_main_gives_the_shipped_bits(monkeypatch, H, K, ids, lengths):
+    """``backward.FOLD_IN_MAIN`` (off; the Gluon main kernel folds the previous chunk's rows,
+    stored at their ranks, and the last chunk is folded alone in that layout): every gradient
+    bitwise that of the shipped deterministic call, for chunks of 300, 70 and 33 tokens and
+    run to run; K past whole blocks (slots past K go to each part's spare row), lengths,
+    duplicated ids, empty rows; grad_kv also against the float64 oracle."""
+    monkeypatch.setattr(kbwd, "EXACT_SUMS", False)
+    main = _main(True)
+    c = Case(300, H, 512, 900, K, ids=ids, lengths=lengths)
+    q, kv, idx, sink = make_case(c, DEV)
+    length = make_lengths(c, DEV)
+    out, lse = kfwd.sparse_mla_fwd(q, kv, idx, sink, c.D ** -0.5, topk_length=length)
+    do, dl = torch.randn_like(out), torch.randn_like(lse)
+    n_hb = -(-H // 64)
+
+    def run(in_main, chunk=None):
+        with monkeypatch.context() as m:
+            m.setattr(kbwd, "FOLD_IN_MAIN", in_main)
+            if chunk:  # (the design halves the budget: chunks of ``chunk`` tokens either way)
+                per_chunk = chunk * n_hb * K * c.D * 4 * (2 if in_main else 1)  # (fp32 bytes)
+                m.setattr(kbwd, "PARTIAL_BYTES", -(-per_chunk * 129 // 256))
+            return kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main,
+                                       topk_length=length, partial16=True)
+
+    ref = run(False)
+    for chunk in (None, 70, 33):
+        got = run(True, chunk)
+        for name, a, b in zip(("grad_q", "grad_kv", "grad_sink"), ref, got):
+            assert torch.equal(a, b), (chunk, name, (a.float() - b.float()).abs().max().item())
+    assert all(torch.equal(a, b) for a, b in zip(run(True, 70), run(False, 33)))
+    rq, rkv, rs = oracle_bwd(do, dl, q, kv, idx, sink, None, length, None)
+    assert relerr(ref[1], rkv) < 2e-2

@@ -194,3 +194,50 @@ def test_16_bit_rows_are_the_default_where_the_main_kernel_says(monkeypatch, fla
     lse, do = torch.randn(3, 2), torch.randn(3, 2, 256).half()
     kbwd.sparse_mla_bwd(do, None, q, kv, do, lse, idx, None, 0.1, main=main, deterministic=deterministic)
     assert seen and all(d == want for d in seen), seen
+
+
+@pytest.mark.parametrize("n_hb, rows", [(1, 1), (2, 1), (1, 4), (2, 4)])
+def test_fold_of_rows_in_the_sorted_layout(n_hb, rows):
+    """The sorted layout (``backward.FOLD_IN_MAIN``): each entry's rows at its rank in the
+    chunk's sorted order plus one (``_Inverter(ranks=True)``), head-block parts adjacent, row
+    0 of each part spare; the fold by rows (``SORTED``) reads them in order and gives the bits
+    of the fold of the same rows in the (token, part, slot) layout; one and several rows a
+    program."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
+
+    T, K, N, D = 6, 9, 17, 128
+    keys, order, seg = _entries(T, K, N, seed=7 + n_hb)
+    v, s, _ = _rows16(T, n_hb, K, D, seed=n_hb)
+    # ranks as the inversion makes them (rank[order[e]] = e + 1), and the rows placed by them
+    rank = torch.empty(T * K, dtype=torch.int32).scatter_(
+        0, order, torch.arange(1, T * K + 1, dtype=torch.int32))
+    sorted_rows = torch.full(((T * K + 1) * n_hb, D), float("nan")).half()
+    sorted_exp = torch.randint(-2**62, 2**62, ((T * K + 1) * n_hb, 1), dtype=torch.int64)
+    for e in range(T * K):
+        for p in range(n_hb):
+            sorted_rows[rank[e] * n_hb + p] = v[e // K, p, e % K]
+            sorted_exp[rank[e] * n_hb + p] = s[e // K, p, e % K]
+    acc0 = torch.randn(N, D, generator=torch.Generator().manual_seed(3))
+    a, b = acc0.clone(), acc0.clone()
+    kbwd._dkv_reduce_kernel[(triton.cdiv(N, rows), 1)](
+        v, order, seg, a, K, K, N, D=D, BLOCK_D=D, N_HB=n_hb, MASK_D=False, ROWS=rows, UNROLL=4, EXP=s, P16=1)
+    kbwd._dkv_reduce_kernel[(triton.cdiv(N, rows), 1)](
+        sorted_rows, seg, seg, b, K, K, N, D=D, BLOCK_D=D, N_HB=n_hb, MASK_D=False, ROWS=rows, UNROLL=4,
+        EXP=sorted_exp, P16=1, SORTED=True)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, acc0)
+
+
+def test_inversion_ranks_invert_the_sorted_order():
+    """``_Inverter(ranks=True)`` gives each chunk's entries their rank in the sorted order
+    plus one (the sorted layout's row), a permutation of 1 .. chunk x K."""
+    from dsv4_sparse_attn.kernels import backward as kbwd
+
+    T, K, N, chunk = 10, 5, 13, 4
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(-1, N, (T, K), generator=g, dtype=torch.int32)
+    inv = kbwd._Inverter(idx, None, None, T, chunk, K, N, None, ranks=True)
+    sorted_ids, order, seg, rank = inv.wait(inv(0, 3))
+    for c in range(3):
+        assert torch.equal(torch.sort(rank[c]).values, torch.arange(1, chunk * K + 1, dtype=torch.int32))
+        assert torch.equal(rank[c][order[c]], torch.arange(1, chunk * K + 1, dtype=torch.int32))

@@ -69,6 +69,15 @@ PARTIAL_16 = True
 # the call 2.6-7.0% shorter (H64 K640 3.2%), not enough to trade the precision for
 # (docs/performance/backward.md#what-the-deterministic-main-kernel-pays-for-its-16-bit-rows-measured).
 PARTIAL_16_BF16 = False
+# The deterministic mode's fold of chunk c - 1 inside chunk c's main kernel (off; a main
+# kernel with ``FOLDS_IN_MAIN``: the Gluon one, 16-bit rows at D = d_v = 512, unpaired, where
+# the fold goes by rows): each entry's partial row stored at its rank in the chunk's sorted
+# order (``_Inverter(ranks=True)``), so that a kv row's entries are consecutive rows, and
+# the previous chunk's rows folded by the producer warp group between its gathers
+# (``fold_gluon``). Two buffers of half the budget; the last chunk is folded alone, by rows
+# in the sorted layout (``_dkv_reduce_kernel(SORTED=True)``). The same bits as the fold
+# beside (docs/performance/backward.md#open-leads, item 2).
+FOLD_IN_MAIN = False
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
 # of the backward is this plus O(T*H + N*D) fp32): under the 1 GiB the backward may
@@ -208,12 +217,24 @@ def _bwd_delta_kernel(
 
 @triton.jit
 def _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.constexpr, D: tl.constexpr,
-                MASK_D: tl.constexpr, EXP=None, P16: tl.constexpr = False):
+                MASK_D: tl.constexpr, EXP=None, P16: tl.constexpr = False, SORTED: tl.constexpr = False):
     """[ROWS, BLOCK_D]: for each of the program's rows, its entry ``e`` (its head-block parts
-    added in order), 0 where ``e`` is past the row's ``end``."""
+    added in order), 0 where ``e`` is past the row's ``end``. ``SORTED`` (``FOLD_IN_MAIN``):
+    the rows in the sorted layout, entry e's part p at row (e + 1) N_HB + p (ORDER unread)."""
     ok = e < end
-    entry = tl.load(ORDER + e, mask=ok, other=0)  # flat (token-in-chunk, slot)
     cols = _runs_of_4(offs_d) if P16 else offs_d
+    if SORTED:
+        row0 = (e.to(tl.int64) + 1) * N_HB
+        ptr = (PARTIAL + row0 * D)[:, None] + cols[None, :]
+        m = ok[:, None]
+        if MASK_D:
+            m = m & d_ok[None, :]
+        ew = None
+        if P16:
+            ew = EXP + row0 * scale_words(D, P16 == 2)
+        # (parts one row apart: k_stride 1)
+        return _sum_parts(ptr, m, 1, N_HB, D, ew, ok, offs_d[None, :], P16, TILE=True)
+    entry = tl.load(ORDER + e, mask=ok, other=0)  # flat (token-in-chunk, slot)
     ptr = _partial_row(PARTIAL, entry, K, k_stride, N_HB, D)[:, None] + cols[None, :]
     if MASK_D:
         m = ok[:, None] & d_ok[None, :]
@@ -304,12 +325,12 @@ def _scaled(x, ew, ok, cols, D: tl.constexpr, TILE: tl.constexpr, P16: tl.conste
 
 @triton.jit
 def _four_entries(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB: tl.constexpr, D: tl.constexpr,
-                  MASK_D: tl.constexpr, EXP=None, P16: tl.constexpr = False):
+                  MASK_D: tl.constexpr, EXP=None, P16: tl.constexpr = False, SORTED: tl.constexpr = False):
     """Entries e .. e + 3 of each of the program's rows (``_entry_rows``), loaded together."""
-    x0 = _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D, EXP, P16)
-    x1 = _entry_rows(PARTIAL, ORDER, e + 1, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D, EXP, P16)
-    x2 = _entry_rows(PARTIAL, ORDER, e + 2, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D, EXP, P16)
-    x3 = _entry_rows(PARTIAL, ORDER, e + 3, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D, EXP, P16)
+    x0 = _entry_rows(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D, EXP, P16, SORTED)
+    x1 = _entry_rows(PARTIAL, ORDER, e + 1, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D, EXP, P16, SORTED)
+    x2 = _entry_rows(PARTIAL, ORDER, e + 2, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D, EXP, P16, SORTED)
+    x3 = _entry_rows(PARTIAL, ORDER, e + 3, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D, EXP, P16, SORTED)
     return x0, x1, x2, x3
 
 
@@ -318,6 +339,7 @@ def _dkv_reduce_kernel(
     PARTIAL, ORDER, SEG, ACC, K, k_stride, N,
     D: tl.constexpr, BLOCK_D: tl.constexpr, N_HB: tl.constexpr, MASK_D: tl.constexpr, ROWS: tl.constexpr,
     UNROLL: tl.constexpr, EXP=None, P16: tl.constexpr = False, REVERSED: tl.constexpr = False,
+    SORTED: tl.constexpr = False,
 ):
     """acc[n] += row n's per-slot partials of this chunk, one after the other in sorted
     (token, slot) order: a sequential fold that continues from the previous chunks' sum,
@@ -334,7 +356,8 @@ def _dkv_reduce_kernel(
     T = 4096; docs/performance/backward.md#the-fold-at-long-contexts).
     N_HB, the head-block parts per partial row (1 or 2 in practice), is compile-time.
     ``P16`` (16-bit partial rows: their scales at ``EXP``, ``_scaled``): 1, or 2 where the
-    rows end in 64 score-only columns, scaled as two segments of 32.
+    rows end in 64 score-only columns, scaled as two segments of 32. ``SORTED``: the rows in
+    the sorted layout (``FOLD_IN_MAIN``; ``_entry_rows``).
     """
     tl.static_assert(UNROLL == 4 or UNROLL == 8)
     pid = tl.program_id(0)
@@ -356,10 +379,10 @@ def _dkv_reduce_kernel(
         for e0 in range(0, n_max, UNROLL):
             e = start + e0
             x0, x1, x2, x3 = _four_entries(PARTIAL, ORDER, e, end, K, k_stride, offs_d, d_ok, N_HB, D, MASK_D,
-                                           EXP, P16)
+                                           EXP, P16, SORTED)
             if UNROLL == 8:
                 x4, x5, x6, x7 = _four_entries(PARTIAL, ORDER, e + 4, end, K, k_stride, offs_d, d_ok, N_HB, D,
-                                               MASK_D, EXP, P16)
+                                               MASK_D, EXP, P16, SORTED)
             acc += x0
             acc += x1
             acc += x2
@@ -756,13 +779,19 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         n_sm = cuda_properties(dev).multi_processor_count if dev.type == "cuda" else 0
         # (16-bit rows: 2 bytes a value and a byte a 64-column segment, where fp32 rows take 4)
         budget = PARTIAL_BYTES * 256 // 129 if partial16 else PARTIAL_BYTES
-        chunk = chunk_tokens(T, n_part, k_stride, D, budget, n_sm)
+        # The previous chunk's fold in the main kernel (FOLD_IN_MAIN): two buffers of half
+        # the budget, rows in the sorted layout
+        fold_main = bool(FOLD_IN_MAIN and partial16 and not paired and trail is None and n_part <= 2
+                         and getattr(main, "folds_in_main", lambda *a: False)(D, grad_out.shape[-1])
+                         and not (PARTIAL_16_BF16 and getattr(main, "PARTIAL_BF16", False))
+                         and not fold_runs(N, n_sm))
+        chunk = chunk_tokens(T, n_part, k_stride, D, budget // 2 if fold_main else budget, n_sm)
         if topk_length is not None and n_part * k_stride * D * 4 >= LENGTH_ORDER_MIN_BYTES:
             tokens = length_order(topk_length, K)
         n_chunks = triton.cdiv(T, chunk)
         group = max(1, min(n_chunks, SORT_ENTRIES // max(1, chunk * K)))  # chunks a sort
         side = beside_stream(dev) if SORT_BESIDE else None
-        invert = _Inverter(indices, topk_length, tokens, T, chunk, K, N, side)
+        invert = _Inverter(indices, topk_length, tokens, T, chunk, K, N, side, ranks=fold_main)
         inv = invert(0, min(group, n_chunks))
     if T > 0:
         dh = min(next_pow2(H), max(1, 8192 // d_v))
@@ -782,9 +811,9 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
     if getattr(main, "LAUNCH_CACHE", False):  # what its launches share over the call's chunks
         main_options = dict(main_options, cache={})
 
-    def launch(p_begin, n_tok, partial, flags):
+    def launch(p_begin, n_tok, partial, flags, **sorted_opts):
         # (positions [p_begin, p_begin + n_tok) of ``tokens``, or those tokens without lengths)
-        opts = main_options
+        opts = dict(main_options, **sorted_opts)
         if tokens is not None:
             opts = dict(opts, tokens=tokens[p_begin:p_begin + n_tok])
         if orders is not None:
@@ -809,10 +838,18 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             orders = main.schedule(topk_length, chunk, H, paired, tokens)
         rope = grad_out.shape[-1] != D  # (its last 64 columns: two segments of 32)
         bf16 = partial16 and PARTIAL_16_BF16 and getattr(main, "PARTIAL_BF16", False) and not rope
-        partial = torch.empty((chunk, n_part, k_stride, D), device=dev,
-                              dtype=torch.bfloat16 if bf16 else torch.float16 if partial16 else torch.float32)
+        if fold_main:  # two buffers: chunk c's rows while chunk c - 1's are folded
+            rows = (chunk * K + 1) * n_part
+            sorted_bufs = [(torch.empty((rows, D), device=dev, dtype=torch.float16),
+                            torch.empty((rows, ), device=dev, dtype=torch.int64)) for _ in range(2)]
+            partial = sorted_bufs[0][0]
+        else:
+            dtype = torch.bfloat16 if bf16 else torch.float16 if partial16 else torch.float32
+            partial = torch.empty((chunk, n_part, k_stride, D), device=dev, dtype=dtype)
         fold16 = {}  # (the fold's arguments for 16-bit rows: their scales)
-        if partial16:
+        if fold_main:
+            fold16 = dict(P16=1, SORTED=True)
+        elif partial16:
             # (each row's segment scales as biased exponent bytes, in int64 words: one load a row;
             # bf16 rows have none: one word a row, unused)
             partial_exp = torch.empty((chunk, n_part, k_stride, 1 if bf16 else scale_words(D, rope)),
@@ -825,19 +862,28 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         runs = fold_runs(N, n_sm)
         runs_unroll, runs_warps, runs_per_sm, runs_preload = FOLD_RUNS_CONFIG
         runs_grid = max(1, n_sm) * runs_per_sm
+        prev = None  # (FOLD_IN_MAIN: the previous chunk's rows, scales, sorted ids and segments)
         for c0 in range(0, n_chunks, group):
             g = min(group, n_chunks - c0)
             # These chunks' ids inverted (``_Inverter``): each chunk's entries sorted by kv
             # row, every kv row adding its entries in the order of (position, slot),
             # whatever the chunks.
-            sorted_ids, order, seg = invert.wait(inv)
+            sorted_ids, order, seg, *ranks = invert.wait(inv)
             flags = torch.zeros((g, n_flags), dtype=torch.int32, device=dev) if n_flags else None
             for c in range(g):
                 t0 = (c0 + c) * chunk
                 n_tok = min(chunk, T - t0)
-                launch(t0, n_tok, partial, flags[c] if flags is not None else None)
+                if fold_main:
+                    part, pexp = sorted_bufs[(c0 + c) % 2]
+                    launch(t0, n_tok, part, flags[c] if flags is not None else None, partial_exp=pexp,
+                           ranks=ranks[0][c], fold=prev)
+                    prev = (part, pexp, sorted_ids[c], seg[c])
+                else:
+                    launch(t0, n_tok, partial, flags[c] if flags is not None else None)
                 if c == g - 1 and c0 + group < n_chunks:  # the next group's, beside this fold
                     inv = invert(c0 + group, min(group, n_chunks - c0 - group))
+                if fold_main:  # (the last chunk's rows: folded alone, below)
+                    continue
                 if runs:
                     _dkv_fold_runs_kernel[(runs_grid,)](
                         partial, order[c], sorted_ids[c], seg[c], acc, K, k_stride, N,
@@ -850,6 +896,13 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                     UNROLL=unroll, REVERSED=FOLD_ROWS_REVERSED,
                     num_warps=fold_warps, **fold16,
                 )
+        if fold_main:  # the last chunk's fold, alone (its rows in the sorted layout)
+            part, pexp, _, seg_last = prev
+            _dkv_reduce_kernel[(triton.cdiv(N, rows_per_program), triton.cdiv(D, block_d))](
+                part, seg_last, seg_last, acc, K, k_stride, N,
+                D=D, BLOCK_D=block_d, N_HB=n_part, MASK_D=D % block_d != 0, ROWS=rows_per_program,
+                UNROLL=unroll, REVERSED=FOLD_ROWS_REVERSED, num_warps=fold_warps, EXP=pexp, **fold16,
+            )
 
     # (the epilogue reads every accumulator row: its window gives the persisting lines back)
     with l2_policy.window(persisting, persist=False):
@@ -870,8 +923,9 @@ class _Inverter:
     alive until that wait: freed before it, its memory could go to the caller's next
     allocation while the side stream still reads it."""
 
-    def __init__(self, indices, topk_length, tokens, T, chunk, K, N, side):
+    def __init__(self, indices, topk_length, tokens, T, chunk, K, N, side, ranks=False):
         self.indices, self.topk_length, self.tokens, self.side = indices, topk_length, tokens, side
+        self.ranks = ranks  # (also each entry's rank plus one: the sorted layout, FOLD_IN_MAIN)
         self.T, self.chunk, self.K, self.N = T, chunk, K, N
         # Sort keys as narrow as N allows: the radix sort makes one pass per key byte
         # (int64 keys: 8 passes, int16: 2).
@@ -887,6 +941,7 @@ class _Inverter:
         sorted_ids = torch.empty_like(keys)
         order = torch.empty((g, chunk * K), dtype=torch.int64, device=dev)
         seg = torch.empty((g, N + 1), dtype=torch.int64, device=dev)
+        rank = torch.empty((g, chunk * K), dtype=torch.int32, device=dev) if self.ranks else None
         lengths = self.topk_length if self.topk_length is not None else self.indices
         with _on_stream(self.side):
             if n:
@@ -897,11 +952,16 @@ class _Inverter:
                     num_warps=4)
             torch.sort(keys, dim=-1, stable=True, out=(sorted_ids, order))
             torch.searchsorted(sorted_ids, self.rows.expand(g, N + 1).contiguous(), out=seg)
+            if rank is not None:  # rank[order[e]] = e + 1 (row 0 of each part: the stores past K)
+                pos = torch.arange(1, chunk * K + 1, device=dev, dtype=torch.int32).expand(g, chunk * K)
+                rank.scatter_(1, order, pos)
+                return keys, sorted_ids, order, seg, rank
         return keys, sorted_ids, order, seg
 
     def wait(self, inv):
-        """(sorted_ids, order, seg), each [g, ...], of handle ``inv``, once the caller's stream
-        has waited for their work (keep ``inv`` until then)."""
+        """(sorted_ids, order, seg), each [g, ...], of handle ``inv`` (and the ranks, with
+        ``ranks``), once the caller's stream has waited for their work (keep ``inv`` until
+        then)."""
         if self.side is not None:
             torch.cuda.current_stream(self.side.device).wait_stream(self.side)
         return inv[1:]

@@ -48,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .backward import DqParts, sum_dq_parts
 from .common import cuda_properties
+from .fold_gluon import _FLAT1 as fold_flat1, _view as fold_view, fold_begin, fold_smem, fold_tiles
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON_VERSION, TensorDescriptor,
                      async_load, balanced_order, fake_group_base, hopper_rejects, load_ids, red_f32x4_fake,
                      red_f32x4_lines, red_f32x4_lines_exact, red_f32x4_lines_grid, red_s32x2_lines,
@@ -148,6 +149,16 @@ SMALL_H_TRANSPOSED = _TIMED
 # None, the rule (left out under Triton 3.9 only, but for the deterministic 576/512 build);
 # True or False forces it (``launch(pairs_code=...)`` for one launch).
 PAIRS_CODE = None
+# The deterministic mode's fold of the previous chunk in the producer (``backward.FOLD_IN_MAIN``,
+# ``launch(fold=...)``): the consumers' registers then (the producer takes 3 x MAXNREG less
+# both: 56 at 224; at 216 the consumers' block loops reload 98-107 values and serialise the
+# wgmmas, sm_90, Triton 3.6: benchmarks/experiments/fold_in_producer_regs.py), and the ring's
+# entries a tile and tiles (FOLD_TILE_ENTRIES x FOLD_STAGES x 1 KB a part: the shared memory
+# the kernel leaves is about 18 KB), and tiles folded after each slot block's gathers.
+FOLD_CONSUMER_REGS = gl.constexpr(224)
+FOLD_TILE_ENTRIES = 8
+FOLD_STAGES = 2
+FOLD_TILES_A_BLOCK = 8
 
 
 # mbarrier slots
@@ -214,6 +225,18 @@ def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.
 
 
 @gluon.jit
+def _producer_sorted(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
+                     ABL: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, False, 0, 1, 0)
+
+
+@gluon.jit
+def _producer_fold(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
+                   ABL: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, False, 0, 1, 1)
+
+
+@gluon.jit
 def _producer_rope(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
                    ABL: gl.constexpr):
     _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 64, False, 0)
@@ -239,15 +262,27 @@ def _producer_qd_early3(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HA
 
 @gluon.jit
 def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr, ABL: gl.constexpr,
-             ROPE: gl.constexpr, QD_TMA: gl.constexpr, EARLY: gl.constexpr):
+             ROPE: gl.constexpr, QD_TMA: gl.constexpr, EARLY: gl.constexpr, SORTED: gl.constexpr = 0,
+             FOLD: gl.constexpr = 0):
     # (ROPE, QD_TMA and EARLY arrive as literals from the _producer* wrappers: a constexpr passed
     # through warp_specialize's argument tuple reaches the partition as a plain value, and
     # the rope code below then fails to lower when ROPE is 0). QD_TMA: Q and DO are
     # [T, H, D] tensor descriptors with [1, 64, 128] blocks, not pointers.
-    Q, DO, KV, IDX, LEN, ORDER, TR, UNITS = io
+    Q, DO, KV, IDX, LEN, ORDER, TR, UNITS, FOLDIO = io
     H, N, K = sizes
     stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it = strides
-    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars = smem
+    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars, rank_smem, f_buf, f_words = smem
+    # SORTED: each block's slots' partial-row ranks (RANK, ``backward.FOLD_IN_MAIN``) into
+    # rank_smem for the consumers' stores; FOLD: the previous chunk's fold between the
+    # gathers (fold_gluon; its ring f_buf, f_words: [S, E NP, 512] and [S, NP, E])
+    RANK, FSID, FSEG, FP, FE, ACC, fold_count = FOLDIO
+    offs_rk = gl.arange(0, _BK, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    if FOLD:
+        F_S: gl.constexpr = f_buf.shape[0]
+        F_NP: gl.constexpr = f_words.shape[1]
+        F_E: gl.constexpr = f_words.shape[2]
+        fw = fold_view(f_words, gl.int64, F_S, F_E * F_NP, fold_flat1)
+        fstate = fold_begin(FSID, FSEG, ACC, N, rank, gl.num_programs(0), f_buf, fw, FP, FE, F_E, F_S, F_NP)
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte copies
     offs_d = gl.arange(0, _QD, layout=gl.SliceLayout(0, ld))
     offs_r = gl.arange(0, _BK, layout=gl.SliceLayout(1, ld))
@@ -261,7 +296,7 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
     bcount = 0  # slot blocks gathered so far (the barriers' phases)
     for unit in range(rank, n_units, gl.num_programs(0)):
         tile, b0, nb_u, prow = _unit(unit, n_full, n_parts, nb)
-        _, pid_t = _chunk_tile(ORDER, t_begin, tile // n_hb, HAS_LEN)
+        pos_c, pid_t = _chunk_tile(ORDER, t_begin, tile // n_hb, HAS_LEN)
         pid_h = tile % n_hb
         k_end, nb_t, g0 = _tile_blocks(LEN, pid_t, K, b0, nb_u, bcount, HAS_LEN)
         if ABL & 16:
@@ -322,7 +357,12 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
                 if ROPE > 0 and half == 1:  # with the second half: S needs it, both dQs read it
                     mbarrier.wait(bars.index(_KVR_FREE), free_phase)
                     async_load(kvr_smem.index(0), ptrs_r, mask=valid_r[:, None])
+                if SORTED and half == 1:  # the block's ranks (0 past K: the parts' row 0)
+                    slot_k = (b0 + j) * _BK + offs_rk
+                    async_load(rank_smem.index((g0 + j) & 1), RANK + pos_c * K + slot_k, mask=slot_k < K)
                 cp.mbarrier_arrive(bars.index(_KV_READY + half), increment_count=False)
+            if FOLD:  # fold tiles once the block's gathers and their arrives are issued
+                fstate = fold_tiles(fstate, fold_count, FSID, FSEG, ACC, f_buf, fw, FP, FE, F_E, F_S, F_NP)
             if ABL & 16:
                 if j == 0:
                     _stamp(TR, n_tiles, rank, tcount, _EV_P_FIRST, ABL)
@@ -330,6 +370,8 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
             _stamp(TR, n_tiles, rank, tcount, _EV_P_LAST, ABL)
         tcount += 1
         bcount += nb_t
+    if FOLD:  # what is left of the fold
+        fstate = fold_tiles(fstate, 1 << 30, FSID, FSEG, ACC, f_buf, fw, FP, FE, F_E, F_S, F_NP)
 
 
 @gluon.jit
@@ -371,7 +413,7 @@ def _tile_blocks(LEN, pid_t, K, b0, nb_u, bcount, HAS_LEN: gl.constexpr):
 def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr,
               EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr, DQ_TMA: gl.constexpr,
               ABL: gl.constexpr, HP: gl.constexpr, TRANS: gl.constexpr, PARTS: gl.constexpr,
-              PAIRS: gl.constexpr = True):
+              PAIRS: gl.constexpr = True, SORTED: gl.constexpr = 0):
     io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired, units = args
     H, N, K = sizes
     IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, EXP = io
@@ -406,7 +448,7 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
         else:
             _consume_tile(io_u, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t,
                           pid_h, n_hb, tcount, paired, n_tiles, rank, WG, RED, HAS_LEN, ROPE, EVICT_LAST,
-                          DQ_TMA, ABL, HP, PARTS, PAIRS)
+                          DQ_TMA, ABL, HP, PARTS, PAIRS, SORTED)
         if ABL & 16:
             _stamp(TR, n_tiles, rank, tcount, _EV_C_END + 4 * WG, ABL)
         tcount += 1
@@ -668,7 +710,7 @@ def _consume_tile_split(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, p
     IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, EXP, PART = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
-    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
+    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars, rank_smem = smem
     scale, scale_log2 = scales
     D: gl.constexpr = 4 * _QD
     dtype: gl.constexpr = q_smem.dtype
@@ -797,7 +839,7 @@ def _consume_tile_split_t(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end,
     IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, EXP, PART = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
-    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
+    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars, rank_smem = smem
     scale, scale_log2 = scales
     D: gl.constexpr = 4 * _QD
     dtype: gl.constexpr = q_smem.dtype
@@ -1108,14 +1150,16 @@ def _store_16_ablated(row_ptr, offs_d, acc, PARTIAL, EXP, KEEP, UNSCALED: gl.con
 def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, pid_t, pid_h, n_hb, tcount,
                   paired, n_tiles, rank, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr,
                   ROPE: gl.constexpr, EVICT_LAST: gl.constexpr, DQ_TMA: gl.constexpr, ABL: gl.constexpr,
-                  HP: gl.constexpr, PARTS: gl.constexpr = False, PAIRS: gl.constexpr = True):
+                  HP: gl.constexpr, PARTS: gl.constexpr = False, PAIRS: gl.constexpr = True,
+                  SORTED: gl.constexpr = 0):
     """One (token, 64-head block) tile of consumer ``WG`` (0 or 1): slot blocks 0..nb_t-1
     (the first of them the barriers' ``g0``-th), ids past slot ``k_end`` masked; ``nb``
-    blocks per token in the partial-row buffer."""
+    blocks per token in the partial-row buffer. ``SORTED``: 16-bit partial rows at their
+    ranks (the producer's ``rank_smem``: ``backward.FOLD_IN_MAIN``), one part a head block."""
     IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, EXP, PART = io
     H, N, K = sizes
     stride_it, stride_lt, stride_gt, stride_gh = strides
-    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars = smem
+    q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars, rank_smem = smem
     scale, scale_log2 = scales
     D: gl.constexpr = 4 * _QD + ROPE  # a dKV / partial row: the value columns, then the rope ones
     dtype: gl.constexpr = q_smem.dtype
@@ -1219,7 +1263,12 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
         # (offsets built from z stay in the loop: hoisted, they would spill; the second row's
         # from the first's, in the loop too)
         offs_kz = _row_pair(offs_ks + z)
-        row_ptr, on = _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED, D, ABL)
+        if SORTED:  # (the block's ranks, from the producer: rows rank x parts + my head block)
+            rk = rank_smem.index(g & 1).load(gl.SliceLayout(1, _S_L))
+            row_ptr = PARTIAL + (rk * n_hb + pid_h).to(gl.int64) * D
+            on = offs_kz
+        else:
+            row_ptr, on = _dkv_rows(ACC, PARTIAL, idx_row, j, z, k_end, N, offs_kz, slot0, RED, D, ABL)
         rows16 = (PARTIAL, EXP)  # (16-bit rows' scales: D = 512, from each piece's address)
         if PARTIAL.dtype.element_ty == gl.bfloat16:  # (bf16 rows: no scales; see _send_piece)
             rows16 = (PARTIAL, N >= 0)
@@ -1297,14 +1346,15 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
 
 # Runtime integers (no recompile per T, N, H or K; as in the Triton main kernel), plus the
 # chunk's tile count and the pairing switch.
-_RUNTIME_INTS = ["H", "N", "K", "t_begin", "n_tiles", "paired", "n_units", "n_full", "n_parts", "stride_it",
-                 "stride_lt"]
+_RUNTIME_INTS = ["H", "N", "K", "t_begin", "n_tiles", "paired", "n_units", "n_full", "n_parts", "fold_count",
+                 "stride_it", "stride_lt"]
 
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_main_gluon_kernel(
     Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, DQF, EXP,
-    H, N, K, t_begin, n_tiles, paired, n_units, n_full, n_parts,
+    RANK, FSID, FSEG, FP, FE,
+    H, N, K, t_begin, n_tiles, paired, n_units, n_full, n_parts, fold_count,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh,
     stride_lt, stride_gt, stride_gh,
     scale, scale_log2,
@@ -1323,8 +1373,16 @@ def _bwd_main_gluon_kernel(
     PARTS: gl.constexpr = False,
     PAIRS: gl.constexpr = True,
     PDL: gl.constexpr = 0,
+    SORTED: gl.constexpr = 0,
+    FOLD_E: gl.constexpr = 0,
+    FOLD_S: gl.constexpr = 2,
+    FOLD_NP: gl.constexpr = 1,
 ):
     gl.static_assert(D == 4 * _QD, "the Gluon backward takes D = 512 value columns")
+    gl.static_assert(not SORTED or (RED == 0 and ROPE == 0 and SPLIT == 0 and not QD_TMA and not TRANS
+                                    and HAS_LEN != 2),
+                     "partial rows at their ranks: deterministic, D = 512, unsplit, q and dO by cp.async")
+    gl.static_assert(FOLD_E == 0 or SORTED != 0, "the fold in the producer: partial rows at their ranks")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
     gl.static_assert(not SPLIT or ROPE == 0, "split roles: D = 512 (no score-only columns)")
     gl.static_assert(RED != 7 or (ROPE == 0 and not EVICT_LAST), "exact sums: D = 512, no evict-last")
@@ -1363,6 +1421,15 @@ def _bwd_main_gluon_kernel(
     else:  # (never read)
         qr_smem = p_smem
         kvr_smem = ds_smem
+    if SORTED:  # two blocks' ranks (the block's parity), filled by the producer's cp.async
+        rank_smem = gl.allocate_shared_memory(gl.int32, [2, _BK], fold_flat1)
+    else:  # (never read)
+        rank_smem = p_smem
+    if FOLD_E > 0:  # the fold's ring (fold_gluon)
+        f_buf, f_words = fold_smem(FOLD_E, FOLD_S, FOLD_NP)
+    else:  # (never read)
+        f_buf = p_smem
+        f_words = ds_smem
     if QD_EARLY > 0:
         bars = gl.allocate_shared_memory(gl.int64, [_N_BARS + 1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(bars.index(_QD_FREE_EARLY), count=2)
@@ -1393,12 +1460,14 @@ def _bwd_main_gluon_kernel(
     sizes = (H, N, K)
     c_args = ((IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, EXP), sizes,
               (stride_it, stride_lt, stride_gt, stride_gh),
-              (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars),
+              (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars, rank_smem),
               (scale, scale_log2), t_begin, n_tiles, nb, rank, paired,
               (n_units, n_full, n_parts, DQF) if PARTS else (n_units, ))
-    p_args = ((Q, DO, KV, IDX, LEN, ORDER, TR, (n_units, n_full, n_parts)), sizes,
+    p_args = ((Q, DO, KV, IDX, LEN, ORDER, TR, (n_units, n_full, n_parts), (RANK, FSID, FSEG, FP, FE, ACC,
+                                                                            fold_count)), sizes,
               (stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it),
-              (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars), t_begin, n_tiles, nb, rank, HAS_LEN, ABL)
+              (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars, rank_smem, f_buf, f_words), t_begin,
+              n_tiles, nb, rank, HAS_LEN, ABL)
     # The producer is the default partition (ptxas compiles it under MAXNREG; the
     # consumers get setmaxnreg budgets).
     if ROPE > 0:
@@ -1428,6 +1497,20 @@ def _bwd_main_gluon_kernel(
                                          HP, TRANS, PARTS, PAIRS)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
                                          HP, TRANS, PARTS, PAIRS))],
+                           [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
+    elif FOLD_E > 0:  # (the producer folds: the consumers at FOLD_CONSUMER_REGS, it at the rest)
+        gl.warp_specialize([(_producer_fold, p_args),
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
+                                         HP, TRANS, PARTS, PAIRS, 1)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
+                                         HP, TRANS, PARTS, PAIRS, 1))],
+                           [PARTITION_WARPS, PARTITION_WARPS], [FOLD_CONSUMER_REGS, FOLD_CONSUMER_REGS])
+    elif SORTED:
+        gl.warp_specialize([(_producer_sorted, p_args),
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
+                                         HP, TRANS, PARTS, PAIRS, 1)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
+                                         HP, TRANS, PARTS, PAIRS, 1))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
     else:
         gl.warp_specialize([(_producer, p_args),
@@ -1483,6 +1566,12 @@ def partial16_default(W: int, D: int) -> bool:
     one fp32 row: H100, 11.5 against 12.8 ms at K = 1152, 15.5 against 15.9 at 576/512; at
     576/512 19% less at H = 64 and 23-24% at H = 16 and 32, K = 1152.)"""
     return (W, D) in PARTIAL_16_LAYOUTS.get(TRITON_VERSION, ())
+
+
+def folds_in_main(W: int, D: int) -> bool:
+    """Whether ``launch`` takes the previous chunk's fold (``fold``, with ``ranks``) for q width
+    W and D value columns: D = d_v = 512 (``backward.FOLD_IN_MAIN``)."""
+    return W == D == 512
 
 
 def pairs_head_blocks(n_hb: int, deterministic: bool) -> bool:
@@ -1557,7 +1646,8 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
            scale_log2, paired, topk_length=None, tokens=None, lines=None, order=None, evict_last=None,
            split=None, qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None, head_pad=None,
            transposed=None, cache=None, split_remainder=None, pairs_code=None, dq_parts=None,
-           exact_codes=None, partial_exp=None, in_order=False, programs=None, pdl=None, _pdl=0):
+           exact_codes=None, partial_exp=None, in_order=False, programs=None, pdl=None, ranks=None,
+           fold=None, fold_tile=None, _pdl=0):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -1607,7 +1697,15 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     most a tile each: ``_programs``). ``pdl``: whether that launch of the remainder's parts
     starts on the SMs the whole rounds' programs leave as they end, by programmatic
     dependent launch (default ``REMAINDER_PDL``); without it the parts start once the last
-    whole-round program has ended (a single launch has no such wait)."""
+    whole-round program has ended (a single launch has no such wait).
+    ``ranks`` (``backward.FOLD_IN_MAIN``): int32 [n_tok, K], each (token, slot) entry's rank
+    in the chunk's sorted order plus one; ``partial`` (fp16, [(chunk x K + 1) x n_hb, 512])
+    and ``partial_exp`` (int64, one word a row) then take entry e's head-block part p at row
+    (e + 1) x n_hb + p (row p: slots past K). ``fold``: with ``ranks``, the previous chunk's
+    (partial, partial_exp, sorted ids, segments), folded into ``acc`` by the producer
+    (``fold_gluon``; D = d_v = 512, no lengths in token order). ``fold_tile``: (entries a
+    tile, tiles in the ring, tiles after each slot block), default ``FOLD_TILE_ENTRIES``,
+    ``FOLD_STAGES``, ``FOLD_TILES_A_BLOCK``."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
@@ -1665,6 +1763,16 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
             # 3.6: the given lengths' build, with the tokens' own order as its schedule)
             pos = torch.arange(n_tok, device=q.device, dtype=torch.int32)
             order, in_order = torch.stack((pos, pos + t_begin), 1), False
+    sorted_rows = ranks is not None
+    if sorted_rows:
+        if (partial is None or partial.dtype != torch.float16 or partial_exp is None or rope or paired or sp
+                or trans or in_order or trace is not None or ablate or exact):
+            raise ValueError("partial rows at their ranks: 16-bit rows at D = d_v = 512, unpaired, "
+                             "unsplit, without in_order, trace or ablate")
+        tma = False  # (the sorted builds' producers load q and dO by cp.async)
+        early = 0
+    if fold is not None and not sorted_rows:
+        raise ValueError("the fold in the main kernel: with partial rows at their ranks (ranks)")
     if "args" not in cache:  # (the same tensors and settings for every chunk of a call)
         cache["args"] = ((_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out),
                          _qd_descriptor(grad_q) if dq_by_tma else grad_q)
@@ -1695,6 +1803,11 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
             return
     n_full, n_parts = _remainder_parts(n_tiles, grid, nb, parts_ok and topk_length is None)
     n_units = n_full + (n_tiles - n_full) * n_parts
+    fe, fs, ft = fold_tile if fold_tile is not None else (FOLD_TILE_ENTRIES, FOLD_STAGES, FOLD_TILES_A_BLOCK)
+    if fold is not None and n_hb not in (1, 2):
+        raise ValueError(f"the fold in the main kernel: one or two head blocks (H <= 128), got H = {H}")
+    fe = max(1, fe // n_hb)  # (a tile's rows: the entries' parts, the same bytes at any H)
+    fp, fexp, fsid, fseg = fold if fold is not None else (flags, flags, flags, flags)
     dqf = (torch.empty((n_units - n_full, BLOCK_H, D), dtype=torch.float32, device=q.device)
            if n_units > n_full else acc)
     _bwd_main_gluon_kernel[(grid,)](
@@ -1703,7 +1816,8 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         topk_length if topk_length is not None else indices, order if order is not None else indices, dqr,
         trace if trace is not None else flags, grad_q, dqf,
         partial_exp if partial_exp is not None else flags,
-        H, N, K, t_begin, n_tiles, int(paired), n_units, n_full, n_parts,
+        ranks if sorted_rows else flags, fsid, fseg, fp, fexp,
+        H, N, K, t_begin, n_tiles, int(paired), n_units, n_full, n_parts, int(ft),
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
@@ -1714,7 +1828,8 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         HP=hp, TRANS=trans, PARTS=n_units > n_full,
         PAIRS=_pairs_code(paired, partial is not None, rope, pairs_code,
                           rows16=partial_exp is not None and bool(dq_by_tma)),
-        PDL=_pdl, num_warps=NUM_WARPS, maxnreg=MAXNREG, **({"launch_pdl": True} if _pdl == 2 else {}),
+        PDL=_pdl, SORTED=int(sorted_rows), FOLD_E=int(fe) if fold is not None else 0, FOLD_S=int(fs),
+        FOLD_NP=n_hb, num_warps=NUM_WARPS, maxnreg=MAXNREG, **({"launch_pdl": True} if _pdl == 2 else {}),
     )
     if n_units > n_full:  # the remainder tiles' dQ: their parts summed in order
         job = DqParts(dqf, grad_q, t_begin, n_full, n_parts, n_tiles - n_full, n_hb, BLOCK_H)

@@ -1,0 +1,89 @@
+"""The deterministic mode with the previous chunk's fold inside the main kernel
+(``backward.FOLD_IN_MAIN``, ``fold_gluon``) against the shipped fold beside it: the whole
+deterministic call timed, every arm checked bitwise against the shipped call first.
+
+    PYTHONPATH=src:tests:benchmarks:benchmarks/experiments [ARMS=a,b] [PASSES=2] \\
+        [SHAPES="T,H,K;..."] python benchmarks/experiments/fold_in_main_bench.py > fold_in_main.jsonl
+
+Arms: ``shipped``; ``half_budget`` (the shipped fold with the chunks the design takes: half
+the partial-row budget, the cost of the smaller chunks alone); ``in_main`` (the default
+ring: ``backward_gluon.FOLD_TILE_ENTRIES`` entries a tile, ``FOLD_STAGES`` tiles, and
+``FOLD_TILES_A_BLOCK`` tiles after each slot block); ``in_main_t4`` / ``_t16`` (4 or 16
+tiles a block); ``in_main_e4s4`` (4 entries a tile, 4 tiles). One JSON line a shape: each
+arm's ms (do_bench median, best of the passes), whether its bits are the shipped call's,
+and its peak memory beyond the inputs.
+"""
+import json
+import os
+
+import torch
+import triton.testing
+
+from bench import backward_inputs, backward_mode
+from dsv4_sparse_attn.kernels import backward as kbwd
+from dsv4_sparse_attn.kernels import backward_gluon as G
+from side_by_side import env_shapes, with_flags
+
+SHAPES = ((4096, 64, 640), (4096, 128, 1152), (4096, 16, 1152), (4096, 128, 512))
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=int(os.environ.get("REP", 200)))
+
+
+def arms():
+    """(name, backward-module flags, backward_gluon flags); ARMS (comma-separated) picks some."""
+    half = kbwd.PARTIAL_BYTES // 2
+    a = [
+        ("shipped", {}, {}),
+        ("half_budget", dict(PARTIAL_BYTES=half), {}),
+        ("in_main", dict(FOLD_IN_MAIN=True), {}),
+        ("in_main_t4", dict(FOLD_IN_MAIN=True), dict(FOLD_TILES_A_BLOCK=4)),
+        ("in_main_t16", dict(FOLD_IN_MAIN=True), dict(FOLD_TILES_A_BLOCK=16)),
+        ("in_main_e4s4", dict(FOLD_IN_MAIN=True), dict(FOLD_TILE_ENTRIES=4, FOLD_STAGES=4)),
+    ]
+    pick = [x for x in os.environ.get("ARMS", "").split(",") if x]
+    return [x for x in a if not pick or x[0] in pick]
+
+
+def main():
+    passes = int(os.environ.get("PASSES", 2))  # odd passes run the arms in reverse order
+    for T, H, K in env_shapes(SHAPES):
+        q, kv, idx, sink, out, lse, do, dl = backward_inputs(T, H, K, 512)
+        run = lambda: torch.ops.dsv4.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, 512 ** -0.5)  # noqa
+        chosen = arms()
+        row = dict(T=T, H=H, K=K)
+        with backward_mode(True):
+            ref = run()
+            for i in range(passes):
+                for name, flags, gflags in (chosen if i % 2 == 0 else chosen[::-1]):
+                    f = with_flags(kbwd, with_flags(G, run, **gflags), **flags)
+                    if i == 0:
+                        try:
+                            torch.cuda.synchronize()
+                            base = torch.cuda.memory_allocated()
+                            torch.cuda.reset_peak_memory_stats()
+                            g = f()
+                            torch.cuda.synchronize()
+                        except Exception as e:  # (an arm that fails: reported, the others run)
+                            row[name + "_error"] = f"{type(e).__name__}: {e}"[:300]
+                            continue
+                        row[name + "_bitwise"] = all(torch.equal(a, b) for a, b in zip(ref, g))
+                        if not row[name + "_bitwise"]:
+                            row[name + "_max_diff"] = max((a.float() - b.float()).abs().max().item()
+                                                          for a, b in zip(ref, g) if a.numel())
+                        peak = torch.cuda.max_memory_allocated() - base
+                        row[name + "_peak_extra_gib"] = round(peak / 2**30, 3)
+                        del g
+                    if name + "_error" in row:
+                        continue
+                    row[f"{name}_ms_{i}"] = round(bench(f), 4)
+        for name, _, _ in chosen:
+            got = [row[k] for k in row if k.startswith(name + "_ms_")]
+            if got:
+                row[name + "_best"] = min(got)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
