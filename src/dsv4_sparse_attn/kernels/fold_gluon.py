@@ -143,37 +143,37 @@ if gl is not None:
         # (a thread's segment t / 16: its scale is that byte of the row's word)
         sh = (gl.arange(0, _D // 4, layout=gl.SliceLayout(1, _ROW_L)) // 16 * 8).to(gl.int64)
         n_t = gl.cdiv(e1 - e0, E)
-        for _ in range(count):
-            if t < n_t:
-                _issue(buf, words, FP, FE, e0, e1, t + S - 1, E, S, NP)
-                if pending != 0:  # (rn came in a tile ago: its end and values now)
-                    # (the end as a [1] tensor, reduced only at the row change: a scalar went
-                    # to a uniform register at once, which waited for the load there)
-                    endn = gl.load(FSEG + rn + 1 + gl.zeros([1], gl.int32, _ONE_L)).to(gl.int32)
-                    accn = gl.load(ACC + rn.to(gl.int64) * _D + cols)
-                    pending = 0
-                _cp.wait_group(S - 1)
-                thread_barrier()  # (every thread's copies of tile t have landed)
-                slot = t % S
-                for j in gl.static_range(E):
-                    e = e0 + t * E + j
-                    if e < e1:
-                        if e == endc:  # the row's entries end: its sum stored, the next row's taken
-                            gl.store(ACC + rc.to(gl.int64) * _D + cols, acc)
-                            if pending != 0:  # (two row changes within a tile)
-                                endn = gl.load(FSEG + rn + 1 + gl.zeros([1], gl.int32, _ONE_L)).to(gl.int32)
-                                accn = gl.load(ACC + rn.to(gl.int64) * _D + cols)
-                            rc = rn
-                            endc = gl.max(endn, 0)
-                            acc = accn
-                            rn = gl.load(FSID + endc, mask=endc < e1, other=0).to(gl.int32)
-                            pending = 1
-                        x = _part(buf, words, slot, j * NP, sh, E, S, NP)
-                        for hb in gl.static_range(1, NP):
-                            x += _part(buf, words, slot, j * NP + hb, sh, E, S, NP)
-                        acc += x
-                thread_barrier()  # (the slot is written again by the issue S - 1 tiles on)
-                t += 1
-                if t == n_t:  # the last row's sum
-                    gl.store(ACC + rc.to(gl.int64) * _D + cols, acc)
+        stop = gl.minimum(t + count, n_t)  # (count may exceed the tiles left: a while, not a range)
+        while t < stop:
+            _issue(buf, words, FP, FE, e0, e1, t + S - 1, E, S, NP)
+            if pending != 0:  # (rn came in a tile ago: its end and values now)
+                # (the end as a [1] tensor, reduced only at the row change: a scalar went
+                # to a uniform register at once, which waited for the load there)
+                endn = gl.load(FSEG + rn + 1 + gl.zeros([1], gl.int32, _ONE_L)).to(gl.int32)
+                accn = gl.load(ACC + rn.to(gl.int64) * _D + cols)
+                pending = 0
+            _cp.wait_group(S - 1)
+            thread_barrier()  # (every thread's copies of tile t have landed)
+            slot = t % S
+            for j in gl.static_range(E):
+                e = e0 + t * E + j
+                if e < e1:
+                    if e == endc:  # the row's entries end: its sum stored, the next row's taken
+                        gl.store(ACC + rc.to(gl.int64) * _D + cols, acc)
+                        if pending != 0:  # (two row changes within a tile)
+                            endn = gl.load(FSEG + rn + 1 + gl.zeros([1], gl.int32, _ONE_L)).to(gl.int32)
+                            accn = gl.load(ACC + rn.to(gl.int64) * _D + cols)
+                        rc = rn
+                        endc = gl.max(endn, 0)
+                        acc = accn
+                        rn = gl.load(FSID + endc, mask=endc < e1, other=0).to(gl.int32)
+                        pending = 1
+                    x = _part(buf, words, slot, j * NP, sh, E, S, NP)
+                    for hb in gl.static_range(1, NP):
+                        x += _part(buf, words, slot, j * NP + hb, sh, E, S, NP)
+                    acc += x
+            thread_barrier()  # (the slot is written again by the issue S - 1 tiles on)
+            t += 1
+            if t == n_t:  # the last row's sum
+                gl.store(ACC + rc.to(gl.int64) * _D + cols, acc)
         return (t, e0, e1, rc, endc, acc, rn, endn, accn, pending)
