@@ -7,9 +7,10 @@ deterministic call timed, every arm checked bitwise against the shipped call fir
 
 Arms: ``shipped``; ``half_budget`` (the shipped fold with the chunks the design takes: half
 the partial-row budget, the cost of the smaller chunks alone); ``in_main`` (the default
-ring: ``backward_gluon.FOLD_TILE_ENTRIES`` entries a tile, ``FOLD_STAGES`` tiles, and
-``FOLD_TILES_A_BLOCK`` tiles after each slot block); ``in_main_t4`` / ``_t16`` (4 or 16
-tiles a block); ``in_main_e4s4`` (4 entries a tile, 4 tiles). One JSON line a shape: each
+ring: ``backward_gluon.FOLD_TILE_ENTRIES`` entries a tile, ``FOLD_STAGES`` tiles,
+``FOLD_TILES_A_BLOCK`` tiles after each slot block, ``FOLD_L2_AHEAD`` tiles prefetched into
+the L2); ``in_main_a0`` / ``_a8`` (no prefetch, 8 tiles ahead); ``in_main_t4`` / ``_t16``
+(4 or 16 tiles a block); ``in_main_e4s4`` (4 entries a tile, 4 tiles). One JSON line a shape: each
 arm's ms (do_bench median, best of the passes), whether its bits are the shipped call's,
 and its peak memory beyond the inputs.
 """
@@ -38,6 +39,8 @@ def arms():
         ("shipped", {}, {}),
         ("half_budget", dict(PARTIAL_BYTES=half), {}),
         ("in_main", dict(FOLD_IN_MAIN=True), {}),
+        ("in_main_a0", dict(FOLD_IN_MAIN=True), dict(FOLD_L2_AHEAD=0)),
+        ("in_main_a8", dict(FOLD_IN_MAIN=True), dict(FOLD_L2_AHEAD=8)),
         ("in_main_t4", dict(FOLD_IN_MAIN=True), dict(FOLD_TILES_A_BLOCK=4)),
         ("in_main_t16", dict(FOLD_IN_MAIN=True), dict(FOLD_TILES_A_BLOCK=16)),
         ("in_main_e4s4", dict(FOLD_IN_MAIN=True), dict(FOLD_TILE_ENTRIES=4, FOLD_STAGES=4)),

@@ -83,6 +83,20 @@ if gl is not None:
         return gl.where(x >= n_valid, n_valid, gl.where(s == x, x, nxt))
 
     @gluon.jit
+    def _prefetch_l2(PART, e0, e1, t, E: gl.constexpr, NP: gl.constexpr):
+        """Tile t's rows (E NP KB, contiguous) into the L2 (``prefetch.global.L2``: no register
+        or shared memory holds them), so that its cp.async later reads the L2, not the HBM: each
+        thread one 64-byte piece, none past e1's rows."""
+        first = e0 + t * E
+        if first < e1:
+            k = gl.arange(0, 128, layout=_ONE_L)
+            row0 = (first + 1).to(gl.int64) * NP
+            last = (e1 + 1).to(gl.int64) * NP * _D - 32  # (the last piece of the last row)
+            off = gl.minimum(row0 * _D + k * (E * NP * 4), last)
+            gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [PART + off],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _issue(buf, words, PART, EXP, e0, e1, t, E: gl.constexpr, S: gl.constexpr, NP: gl.constexpr):
         """cp.async of tile t (entries e0 + t E ..., at most e1) into its ring slot; zeros past
         e1 (nothing past the program's tiles). Then one commit (an empty group past them)."""
@@ -110,8 +124,8 @@ if gl is not None:
         return x * (e << 23).to(gl.float32, bitcast=True)[:, None]
 
     @gluon.jit
-    def fold_begin(FSID, FSEG, ACC, N, rank, grid, buf, words, FP, FE, E: gl.constexpr, S: gl.constexpr,
-                   NP: gl.constexpr):
+    def fold_begin(FSID, FSEG, ACC, N, rank, grid, ahead, buf, words, FP, FE, E: gl.constexpr,
+                   S: gl.constexpr, NP: gl.constexpr):
         """This program's share of the fold (entries [e0, e1)), its first row loaded and the
         ring's first S - 1 tiles issued: the state ``fold_tiles`` carries."""
         n_valid = gl.load(FSEG + N).to(gl.int32)
@@ -129,15 +143,19 @@ if gl is not None:
         rn = gl.load(FSID + gl.minimum(endc, last), mask=endc < e1, other=0).to(gl.int32)
         for t in gl.static_range(S - 1):
             _issue(buf, words, FP, FE, e0, e1, t, E, S, NP)
+        if ahead > 0:  # (the tiles up to S - 1 + ahead into the L2: the first tile steps prefetch on)
+            for tp in range(S - 1, S - 1 + ahead):
+                _prefetch_l2(FP, e0, e1, tp, E, NP)
         endn = gl.full([1], 0, gl.int32, _ONE_L)
         return (0, e0, e1, rc, endc, acc, rn, endn, acc, 1)
 
     @gluon.jit
-    def fold_tiles(state, count, FSID, FSEG, ACC, buf, words, FP, FE, E: gl.constexpr, S: gl.constexpr,
+    def fold_tiles(state, count, ahead, FSID, FSEG, ACC, buf, words, FP, FE, E: gl.constexpr, S: gl.constexpr,
                    NP: gl.constexpr):
         """Up to ``count`` more tiles of the fold (none once its tiles are done); returns the
-        state. A tile: the next one S - 1 ahead issued, this one waited for, then its entries
-        added in order, each kv row's sum stored when its entries end."""
+        state. A tile: the next one S - 1 ahead issued (and with ``ahead`` > 0 the one S - 1 +
+        ``ahead`` on prefetched into the L2), this one waited for, then its entries added in
+        order, each kv row's sum stored when its entries end."""
         t, e0, e1, rc, endc, acc, rn, endn, accn, pending = state
         cols = _cols()
         # (a thread's segment t / 16: its scale is that byte of the row's word)
@@ -146,6 +164,8 @@ if gl is not None:
         stop = gl.minimum(t + count, n_t)  # (count may exceed the tiles left: a while, not a range)
         while t < stop:
             _issue(buf, words, FP, FE, e0, e1, t + S - 1, E, S, NP)
+            if ahead > 0:
+                _prefetch_l2(FP, e0, e1, t + S - 1 + ahead, E, NP)
             if pending != 0:  # (rn came in a tile ago: its end and values now)
                 # (the end as a [1] tensor, reduced only at the row change: a scalar went
                 # to a uniform register at once, which waited for the load there)
