@@ -20,7 +20,7 @@ loaded a tile ahead so that a row change waits on no load).
 """
 from __future__ import annotations
 
-from .hopper import TRITON_VERSION, gl, gluon
+from .hopper import gl, gluon
 
 if gl is not None:
     from triton.experimental.gluon.language.nvidia.hopper import async_copy as _cp
@@ -32,7 +32,8 @@ if gl is not None:
     # its shape's rank or one less)
     _FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     _FLAT1 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    _NEW_REINTERPRET = gl.constexpr(TRITON_VERSION >= (3, 9))  # (3.9 renamed _reinterpret)
+    # (a later Triton renamed the descriptors' ``_reinterpret`` to ``reinterpret``)
+    _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
     # the producer warp group's layouts: a row's 512 columns as [128, 4], thread t holding
     # columns 4t .. 4t + 3 (one 64-column segment, so one scale a thread: [128] in
     # SliceLayout(1, _ROW_L)); one value a thread (a word's broadcast); a tile's rows by
