@@ -70,13 +70,15 @@ PARTIAL_16 = True
 # (docs/performance/backward.md#what-the-deterministic-main-kernel-pays-for-its-16-bit-rows-measured).
 PARTIAL_16_BF16 = False
 # The deterministic mode's fold of chunk c - 1 inside chunk c's main kernel (off; a main
-# kernel with ``FOLDS_IN_MAIN``: the Gluon one, 16-bit rows at D = d_v = 512, unpaired, where
-# the fold goes by rows): each entry's partial row stored at its rank in the chunk's sorted
-# order (``_Inverter(ranks=True)``), so that a kv row's entries are consecutive rows, and
-# the previous chunk's rows folded by the producer warp group between its gathers
-# (``fold_gluon``). Two buffers of half the budget; the last chunk is folded alone, by rows
-# in the sorted layout (``_dkv_reduce_kernel(SORTED=True)``). The same bits as the fold
-# beside (docs/performance/backward.md#open-leads, item 2).
+# kernel whose ``folds_in_main`` takes the widths: the Gluon one at D = d_v = 512, with
+# 16-bit rows, unpaired, one or two head blocks, where the fold goes by rows): each entry's
+# partial row stored at its rank in the chunk's sorted order (``_Inverter(ranks=True)``),
+# so that a kv row's entries are consecutive rows, and the previous chunk's rows folded by
+# the producer warp group between its gathers (``fold_gluon``). Two buffers of half the
+# budget; the last chunk is folded alone, by rows in the sorted layout
+# (``_dkv_reduce_kernel(SORTED=True)``). The same bits as the fold beside. H100, T = 4096:
+# slower (H64 K640 4.93 ms against 3.63: its fold steps hold up the gathers), so off
+# (docs/performance/backward.md#the-fold-inside-the-main-kernel-built-measured-slower-off).
 FOLD_IN_MAIN = False
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
@@ -842,7 +844,6 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             rows = (chunk * K + 1) * n_part
             sorted_bufs = [(torch.empty((rows, D), device=dev, dtype=torch.float16),
                             torch.empty((rows, ), device=dev, dtype=torch.int64)) for _ in range(2)]
-            partial = sorted_bufs[0][0]
         else:
             dtype = torch.bfloat16 if bf16 else torch.float16 if partial16 else torch.float32
             partial = torch.empty((chunk, n_part, k_stride, D), device=dev, dtype=dtype)

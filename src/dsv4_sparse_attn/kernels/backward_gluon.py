@@ -1704,7 +1704,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     starts on the SMs the whole rounds' programs leave as they end, by programmatic
     dependent launch (default ``REMAINDER_PDL``); without it the parts start once the last
     whole-round program has ended (a single launch has no such wait).
-    ``ranks`` (``backward.FOLD_IN_MAIN``): int32 [n_tok, K], each (token, slot) entry's rank
+    ``ranks`` (``backward.FOLD_IN_MAIN``): int32, flat [chunk x K]: each (token, slot) entry's rank
     in the chunk's sorted order plus one; ``partial`` (fp16, [(chunk x K + 1) x n_hb, 512])
     and ``partial_exp`` (int64, one word a row) then take entry e's head-block part p at row
     (e + 1) x n_hb + p (row p: slots past K). ``fold``: with ``ranks``, the previous chunk's
