@@ -30,24 +30,14 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy as _cp
 
 from bench import make_inputs
 from dsv4_sparse_attn.kernels import backward as kbwd
+from dsv4_sparse_attn.kernels.fold_gluon import _view
 from dsv4_sparse_attn.kernels.hopper import async_load, thread_barrier
 
 # (unswizzled, row-major: a view of another rank is the same bytes; a view's layout has
 # its shape's rank or one less, so each buffer is also seen with a 1-D layout to take
-# single rows out of it)
+# single rows out of it; ``_view`` is the fold in the main kernel's)
 _FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 _FLAT1 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
-# (Triton 3.9 renamed the descriptors' ``_reinterpret`` to ``reinterpret``)
-_NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
-
-
-@gluon.jit
-def _view(mem, dtype: gl.constexpr, rows: gl.constexpr, cols: gl.constexpr, layout: gl.constexpr):
-    """``mem`` seen as [rows, cols] of ``dtype`` with ``layout`` (the same bytes)."""
-    if _NEW_REINTERPRET:
-        return mem.reinterpret(dtype, [rows, cols], layout)
-    else:
-        return mem._reinterpret(dtype, [rows, cols], layout)
 
 
 @gluon.jit
