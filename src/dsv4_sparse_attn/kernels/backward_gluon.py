@@ -231,13 +231,7 @@ def _producer(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.
 @gluon.jit
 def _producer_sorted(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
                      ABL: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, False, 0, 1, 0)
-
-
-@gluon.jit
-def _producer_fold(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
-                   ABL: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, False, 0, 1, 1)
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, False, 0, 1)
 
 
 @gluon.jit
@@ -266,8 +260,7 @@ def _producer_qd_early3(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HA
 
 @gluon.jit
 def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr, ABL: gl.constexpr,
-             ROPE: gl.constexpr, QD_TMA: gl.constexpr, EARLY: gl.constexpr, SORTED: gl.constexpr = 0,
-             FOLD: gl.constexpr = 0):
+             ROPE: gl.constexpr, QD_TMA: gl.constexpr, EARLY: gl.constexpr, SORTED: gl.constexpr = 0):
     # (ROPE, QD_TMA and EARLY arrive as literals from the _producer* wrappers: a constexpr passed
     # through warp_specialize's argument tuple reaches the partition as a plain value, and
     # the rope code below then fails to lower when ROPE is 0). QD_TMA: Q and DO are
@@ -277,9 +270,10 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
     stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it = strides
     q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars, rank_smem, f_buf, f_words = smem
     # SORTED: each block's slots' partial-row ranks (RANK, ``backward.FOLD_IN_MAIN``) into
-    # rank_smem for the consumers' stores; FOLD: the previous chunk's fold between the
-    # gathers (fold_gluon; its ring f_buf, f_words: [S, E NP, 512] and [S, NP, E])
+    # rank_smem for the consumers' stores; FOLD (where the kernel allocated the fold's ring:
+    # f_buf, and f_words int64 [S, NP, E]): the previous chunk's fold between the gathers
     RANK, FSID, FSEG, FP, FE, ACC, fold_count, fold_ahead = FOLDIO
+    FOLD: gl.constexpr = f_words.dtype == gl.int64
     offs_rk = gl.arange(0, _BK, layout=gl.BlockedLayout([1], [32], [4], [0]))
     if FOLD:
         F_S: gl.constexpr = f_buf.shape[0]
@@ -1504,20 +1498,14 @@ def _bwd_main_gluon_kernel(
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
                                          HP, TRANS, PARTS, PAIRS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
-    elif FOLD_E > 0:  # (the producer folds: the consumers at FOLD_CONSUMER_REGS, it at the rest)
-        gl.warp_specialize([(_producer_fold, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS, PAIRS, 1)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS, PAIRS, 1))],
-                           [PARTITION_WARPS, PARTITION_WARPS], [FOLD_CONSUMER_REGS, FOLD_CONSUMER_REGS])
-    elif SORTED:
+    elif SORTED:  # (with the fold the consumers at FOLD_CONSUMER_REGS, the producer at the rest)
+        C_REGS: gl.constexpr = FOLD_CONSUMER_REGS if FOLD_E > 0 else PARTITION_REGS
         gl.warp_specialize([(_producer_sorted, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
                                          HP, TRANS, PARTS, PAIRS, 1)),
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
                                          HP, TRANS, PARTS, PAIRS, 1))],
-                           [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
+                           [PARTITION_WARPS, PARTITION_WARPS], [C_REGS, C_REGS])
     else:
         gl.warp_specialize([(_producer, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
