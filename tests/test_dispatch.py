@@ -639,12 +639,15 @@ def test_gluon_backward_lengths_in_token_order_leave_the_remainder_to_parts(monk
     if hopper.gluon_unavailable():
         pytest.skip(f"no Gluon in this Triton: {hopper.gluon_unavailable()}")
     seen = []
+    names = backward_gluon._bwd_main_gluon_kernel.arg_names  # (the launch's arguments by name)
 
     class Kernel:
         def __getitem__(self, grid):
             def run(*args, **kw):
-                seen.append(dict(grid=grid, flags=args[9].data_ptr(), t_begin=args[20], n_tiles=args[21],
-                                 units=args[23:26], HAS_LEN=kw["HAS_LEN"], PARTS=kw["PARTS"], PDL=kw["PDL"],
+                a = dict(zip(names, args))
+                seen.append(dict(grid=grid, flags=a["FLAGS"].data_ptr(), t_begin=a["t_begin"],
+                                 n_tiles=a["n_tiles"], units=(a["n_units"], a["n_full"], a["n_parts"]),
+                                 HAS_LEN=kw["HAS_LEN"], PARTS=kw["PARTS"], PDL=kw["PDL"],
                                  launch_pdl=kw.get("launch_pdl", False)))
             return run
 
