@@ -1171,8 +1171,9 @@ def test_fold_in_main_gives_the_shipped_bits(monkeypatch, H, K, ids, lengths):
     """``backward.FOLD_IN_MAIN`` (off; the Gluon main kernel folds the previous chunk's rows,
     stored at their ranks, and the last chunk is folded alone in that layout): every gradient
     bitwise that of the shipped deterministic call, for chunks of 300, 70 and 33 tokens and
-    run to run; K past whole blocks (slots past K go to each part's spare row), lengths,
-    duplicated ids, empty rows; grad_kv also against the float64 oracle."""
+    run to run, and with each chunk folded after its main kernel instead (``"beside"``); K
+    past whole blocks (slots past K go to each part's spare row), lengths, duplicated ids,
+    empty rows; grad_kv also against the float64 oracle."""
     monkeypatch.setattr(kbwd, "EXACT_SUMS", False)
     main = _main(True)
     c = Case(300, H, 512, 900, K, ids=ids, lengths=lengths)
@@ -1192,10 +1193,10 @@ def test_fold_in_main_gives_the_shipped_bits(monkeypatch, H, K, ids, lengths):
                                        topk_length=length, partial16=True)
 
     ref = run(False)
-    for chunk in (None, 70, 33):
-        got = run(True, chunk)
+    for in_main, chunk in ((True, None), (True, 70), (True, 33), ("beside", 70)):
+        got = run(in_main, chunk)
         for name, a, b in zip(("grad_q", "grad_kv", "grad_sink"), ref, got):
-            assert torch.equal(a, b), (chunk, name, (a.float() - b.float()).abs().max().item())
+            assert torch.equal(a, b), (in_main, chunk, name, (a.float() - b.float()).abs().max().item())
     assert all(torch.equal(a, b) for a, b in zip(run(True, 70), run(False, 33)))
     rq, rkv, rs = oracle_bwd(do, dl, q, kv, idx, sink, None, length, None)
     assert relerr(ref[1], rkv) < 2e-2

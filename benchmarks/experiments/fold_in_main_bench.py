@@ -6,7 +6,9 @@ deterministic call timed, every arm checked bitwise against the shipped call fir
         [SHAPES="T,H,K;..."] python benchmarks/experiments/fold_in_main_bench.py > fold_in_main.jsonl
 
 Arms: ``shipped``; ``half_budget`` (the shipped fold with the chunks the design takes: half
-the partial-row budget, the cost of the smaller chunks alone); ``in_main`` (the default
+the partial-row budget, the cost of the smaller chunks alone); ``sorted_beside`` (the
+design's sorted layout and chunks, each chunk folded right after its main kernel: the cost
+of the layout, apart from the fold's place); ``in_main`` (the default
 ring: ``backward_gluon.FOLD_TILE_ENTRIES`` entries a tile, ``FOLD_STAGES`` tiles,
 ``FOLD_TILES_A_BLOCK`` tiles after each slot block, ``FOLD_L2_AHEAD`` tiles prefetched into
 the L2); ``in_main_a0`` / ``_a8`` (no prefetch, 8 tiles ahead); ``in_main_t4`` / ``_t16``
@@ -38,6 +40,7 @@ def arms():
     a = [
         ("shipped", {}, {}),
         ("half_budget", dict(PARTIAL_BYTES=half), {}),
+        ("sorted_beside", dict(FOLD_IN_MAIN="beside"), {}),
         ("in_main", dict(FOLD_IN_MAIN=True), {}),
         ("in_main_a0", dict(FOLD_IN_MAIN=True), dict(FOLD_L2_AHEAD=0)),
         ("in_main_a8", dict(FOLD_IN_MAIN=True), dict(FOLD_L2_AHEAD=8)),

@@ -241,3 +241,66 @@ def test_inversion_ranks_invert_the_sorted_order():
     for c in range(3):
         assert torch.equal(torch.sort(rank[c]).values, torch.arange(1, chunk * K + 1, dtype=torch.int32))
         assert torch.equal(rank[c][order[c]], torch.arange(1, chunk * K + 1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("mode", [True, "beside"])
+def test_fold_in_main_chunk_plumbing(monkeypatch, mode):
+    """``backward.FOLD_IN_MAIN``'s host side (the Gluon kernel itself runs on the GPU only:
+    tests/test_kernels_gpu.py): with a stand-in main kernel that records its launches, each
+    chunk gets its own ranks and one of two sorted-layout buffers in turn, chunk c's launch
+    folds chunk c - 1's rows (buffer, scales, sorted ids and segments), the first folds
+    nothing, and the fold by rows (``_dkv_reduce_kernel(SORTED=True)``) takes the last
+    chunk alone; with ``"beside"`` no launch folds and every chunk is folded after its own."""
+    import types
+
+    from dsv4_sparse_attn.kernels import backward as kbwd
+    from dsv4_sparse_attn.kernels import backward_triton as real
+
+    T, H, D, N, K, chunk = 10, 4, 64, 11, 5, 3
+    launches, folds = [], []
+
+    def launch(q, kv, idx, do, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, *args, **kw):
+        grad_q[t_begin:t_begin + n_tok] = 0
+        fold = kw.get("fold")
+        launches.append(dict(t_begin=t_begin, n_tok=n_tok, partial=partial.data_ptr(),
+                             shape=tuple(partial.shape), ranks=tuple(kw["ranks"].shape),
+                             fold=None if fold is None else fold[0].data_ptr()))
+
+    main = types.SimpleNamespace(
+        NAME="stand-in", PARTIAL_16=True, ACC_FAKE_ORDER=False, tile_heads=real.tile_heads,
+        partial_slots=real.partial_slots, pairs_head_blocks=real.pairs_head_blocks,
+        flags_per_chunk=real.flags_per_chunk, folds_in_main=lambda W, dv: True, launch=launch)
+    real_fold = kbwd._dkv_reduce_kernel
+
+    class Fold:
+        def __getitem__(self, grid):
+            def run(part, order, seg, *args, **kw):
+                folds.append(dict(partial=part.data_ptr(), sorted=kw.get("SORTED", False)))
+                return real_fold[grid](part, order, seg, *args, **kw)
+            return run
+
+    monkeypatch.setattr(kbwd, "_dkv_reduce_kernel", Fold())
+    monkeypatch.setattr(kbwd, "FOLD_IN_MAIN", mode)
+    monkeypatch.setattr(kbwd, "EXACT_SUMS", False)
+    # (chunks of 3 tokens: the budget's half, in 16-bit rows' terms)
+    monkeypatch.setattr(kbwd, "PARTIAL_BYTES", -(-chunk * K * D * 4 * 2 * 129 // 256))
+    g = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(T, H, D, generator=g).half(), torch.randn(N, D, generator=g).half()
+    idx = torch.randint(-1, N, (T, K), generator=g, dtype=torch.int32)
+    out, do = torch.randn(T, H, D, generator=g).half(), torch.randn(T, H, D, generator=g).half()
+    lse = torch.randn(T, H, generator=g)
+    kbwd.sparse_mla_bwd(do, None, q, kv, out, lse, idx, None, D ** -0.5, main=main, partial16=True)
+    n_chunks = -(-T // chunk)
+    want = [(c * chunk, min(chunk, T - c * chunk)) for c in range(n_chunks)]
+    assert [(x["t_begin"], x["n_tok"]) for x in launches] == want
+    assert all(x["shape"] == ((chunk * K + 1) * 1, D) and x["ranks"] == (chunk * K, ) for x in launches)
+    bufs = [x["partial"] for x in launches]
+    assert len(set(bufs[0::2])) == 1 and len(set(bufs[1::2])) == 1 and bufs[0] != bufs[1]
+    assert all(f["sorted"] for f in folds)
+    if mode == "beside":
+        assert all(x["fold"] is None for x in launches)
+        assert [f["partial"] for f in folds] == bufs
+    else:
+        assert launches[0]["fold"] is None
+        assert [x["fold"] for x in launches[1:]] == bufs[:-1]
+        assert [f["partial"] for f in folds] == bufs[-1:]

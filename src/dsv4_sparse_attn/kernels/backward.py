@@ -79,6 +79,9 @@ PARTIAL_16_BF16 = False
 # (``_dkv_reduce_kernel(SORTED=True)``). The same bits as the fold beside. H100, T = 4096:
 # slower (H64 K640 4.93 ms against 3.63: its fold steps hold up the gathers), so off
 # (docs/performance/backward.md#the-fold-inside-the-main-kernel-built-measured-slower-off).
+# "beside" (a measurement arm): the same sorted layout and chunks, each chunk folded right
+# after its main kernel, not inside the next one (what the layout and the smaller chunks
+# cost apart from the fold's place).
 FOLD_IN_MAIN = False
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
@@ -862,6 +865,14 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         block_d = fold_block_d(D, rows_per_program)
         runs = fold_runs(N, n_sm)
         runs_unroll, runs_warps, runs_per_sm, runs_preload = FOLD_RUNS_CONFIG
+
+        def fold_sorted(rows):  # a chunk's fold by rows, its rows in the sorted layout (FOLD_IN_MAIN)
+            part, pexp, _, seg_c = rows
+            _dkv_reduce_kernel[(triton.cdiv(N, rows_per_program), triton.cdiv(D, block_d))](
+                part, seg_c, seg_c, acc, K, k_stride, N,
+                D=D, BLOCK_D=block_d, N_HB=n_part, MASK_D=D % block_d != 0, ROWS=rows_per_program,
+                UNROLL=unroll, REVERSED=FOLD_ROWS_REVERSED, num_warps=fold_warps, EXP=pexp, **fold16,
+            )
         runs_grid = max(1, n_sm) * runs_per_sm
         prev = None  # (FOLD_IN_MAIN: the previous chunk's rows, scales, sorted ids and segments)
         for c0 in range(0, n_chunks, group):
@@ -876,14 +887,18 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                 n_tok = min(chunk, T - t0)
                 if fold_main:
                     part, pexp = sorted_bufs[(c0 + c) % 2]
+                    beside = FOLD_IN_MAIN == "beside"  # (the measurement arm: see FOLD_IN_MAIN)
                     launch(t0, n_tok, part, flags[c] if flags is not None else None, partial_exp=pexp,
-                           ranks=ranks[0][c], fold=prev)
+                           ranks=ranks[0][c], fold=None if beside else prev)
                     prev = (part, pexp, sorted_ids[c], seg[c])
                 else:
                     launch(t0, n_tok, partial, flags[c] if flags is not None else None)
                 if c == g - 1 and c0 + group < n_chunks:  # the next group's, beside this fold
                     inv = invert(c0 + group, min(group, n_chunks - c0 - group))
                 if fold_main:  # (the last chunk's rows: folded alone, below)
+                    if beside:
+                        fold_sorted(prev)
+                        prev = None
                     continue
                 if runs:
                     _dkv_fold_runs_kernel[(runs_grid,)](
@@ -897,13 +912,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                     UNROLL=unroll, REVERSED=FOLD_ROWS_REVERSED,
                     num_warps=fold_warps, **fold16,
                 )
-        if fold_main:  # the last chunk's fold, alone (its rows in the sorted layout)
-            part, pexp, _, seg_last = prev
-            _dkv_reduce_kernel[(triton.cdiv(N, rows_per_program), triton.cdiv(D, block_d))](
-                part, seg_last, seg_last, acc, K, k_stride, N,
-                D=D, BLOCK_D=block_d, N_HB=n_part, MASK_D=D % block_d != 0, ROWS=rows_per_program,
-                UNROLL=unroll, REVERSED=FOLD_ROWS_REVERSED, num_warps=fold_warps, EXP=pexp, **fold16,
-            )
+        if fold_main and prev is not None:  # the last chunk's fold, alone
+            fold_sorted(prev)
 
     # (the epilogue reads every accumulator row: its window gives the persisting lines back)
     with l2_policy.window(persisting, persist=False):
