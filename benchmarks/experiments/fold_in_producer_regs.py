@@ -53,9 +53,9 @@ def _fold_step(FP, FE, FO, FS, ACC, N, G, fi, fe, fend, facc, cols, sh, hi_sel):
 
 _PATCHES = [
     ("@gluon.jit\ndef _produce(", _FOLD_STEP + "@gluon.jit\ndef _produce("),
-    ("    Q, DO, KV, IDX, LEN, ORDER, TR, UNITS = io\n",
-     "    Q, DO, KV, IDX, LEN, ORDER, TR, UNITS, FOLDIO = io\n"
-     "    FP, FE, FO, FS, FACC = FOLDIO\n"
+    ("    Q, DO, KV, IDX, LEN, ORDER, TR, UNITS, FOLDIO = io\n",
+     "    Q, DO, KV, IDX, LEN, ORDER, TR, UNITS, FOLDIO, PFOLDIO = io\n"
+     "    PFP, PFE, PFO, PFS, PFACC = PFOLDIO\n"
      "    acc_l: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])\n"
      "    fcols = gl.arange(0, 512, layout=acc_l)\n"
      "    fseg = fcols // 64\n"
@@ -63,19 +63,18 @@ _PATCHES = [
      "    fhi = (fseg // 4) % 2 == 1\n"
      "    G = gl.num_programs(0)\n"
      "    fi = rank - G\n"
-     "    fe = gl.load(FS).to(gl.int64) * 0\n"
+     "    fe = gl.load(PFS).to(gl.int64) * 0\n"
      "    fend = fe\n"
      "    facc = gl.zeros([512], gl.float32, acc_l)\n"),
     ("                cp.mbarrier_arrive(bars.index(_KV_READY + half), increment_count=False)\n",
      "                cp.mbarrier_arrive(bars.index(_KV_READY + half), increment_count=False)\n"
-     "            fi, fe, fend, facc = _fold_step(FP, FE, FO, FS, FACC, N, G, fi, fe, fend, facc,\n"
+     "            fi, fe, fend, facc = _fold_step(PFP, PFE, PFO, PFS, PFACC, N, G, fi, fe, fend, facc,\n"
      "                                            fcols, fsh, fhi)\n"),
-    ("        tcount += 1\n        bcount += nb_t\n\n\n@gluon.jit\ndef _unit(",
+    ("        tcount += 1\n        bcount += nb_t\n    if FOLD:",
      "        tcount += 1\n        bcount += nb_t\n    if fi < N:\n"
-     "        gl.store(FACC + (N - 1 - fi).to(gl.int64) * 512 + fcols, facc)\n\n\n@gluon.jit\ndef _unit("),
-    ("DQP, DQF, EXP,\n    H, N, K,", "DQP, DQF, EXP, FP, FE, FO, FS,\n    H, N, K,"),
-    ("TR, (n_units, n_full, n_parts)), sizes,",
-     "TR, (n_units, n_full, n_parts), (FP, FE, FO, FS, ACC)), sizes,"),
+     "        gl.store(PFACC + (N - 1 - fi).to(gl.int64) * 512 + fcols, facc)\n    if FOLD:"),
+    ("DQP, DQF, EXP,\n    RANK,", "DQP, DQF, EXP, PFP, PFE, PFO, PFS,\n    RANK,"),
+    ("fold_count, fold_ahead)), sizes,", "fold_count, fold_ahead), (PFP, PFE, PFO, PFS, ACC)), sizes,"),
 ]
 
 
@@ -107,7 +106,7 @@ def build(G, consumer_regs, maxnreg):
     consts = dict(D=512, RED=G._red(True, None, 0, False), ABL=0, HAS_LEN=False, ROPE=0, EVICT_LAST=False,
                   SPLIT=0, HP=64, TRANS=False, PARTS=False,
                   PAIRS=G._pairs_code(False, True, 0, rows16=bool(G.DQ_TMA)), PDL=0)
-    types = dict(S.BWD_TYPES, PARTIAL="*fp16", FP="*fp16", FE="*i64", FO="*i64", FS="*i64")
+    types = dict(S.BWD_TYPES, PARTIAL="*fp16", PFP="*fp16", PFE="*i64", PFO="*i64", PFS="*i64")
     if G.DQ_TMA:  # (as the launcher passes dQ by default)
         layout = gl.NVMMASharedLayout.get_default_for([1, G.BLOCK_H, 128], gl.bfloat16)
         types["DQ"] = f"tensordesc<bf16[1, {G.BLOCK_H}, 128],{layout!r}>"
