@@ -866,13 +866,17 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         runs = fold_runs(N, n_sm)
         runs_unroll, runs_warps, runs_per_sm, runs_preload = FOLD_RUNS_CONFIG
 
-        def fold_sorted(rows):  # a chunk's fold by rows, its rows in the sorted layout (FOLD_IN_MAIN)
-            part, pexp, _, seg_c = rows
+        def fold_by_rows(part, order_c, seg_c, **rows16):  # (a chunk's fold by rows)
             _dkv_reduce_kernel[(triton.cdiv(N, rows_per_program), triton.cdiv(D, block_d))](
-                part, seg_c, seg_c, acc, K, k_stride, N,
+                part, order_c, seg_c, acc, K, k_stride, N,
                 D=D, BLOCK_D=block_d, N_HB=n_part, MASK_D=D % block_d != 0, ROWS=rows_per_program,
-                UNROLL=unroll, REVERSED=FOLD_ROWS_REVERSED, num_warps=fold_warps, EXP=pexp, **fold16,
+                UNROLL=unroll, REVERSED=FOLD_ROWS_REVERSED, num_warps=fold_warps, **fold16, **rows16,
             )
+
+        def fold_sorted(rows):  # a chunk's rows in the sorted layout (FOLD_IN_MAIN; no ORDER read)
+            part, pexp, _, seg_c = rows
+            fold_by_rows(part, seg_c, seg_c, EXP=pexp)
+        beside = fold_main and FOLD_IN_MAIN == "beside"  # (the measurement arm: see FOLD_IN_MAIN)
         runs_grid = max(1, n_sm) * runs_per_sm
         prev = None  # (FOLD_IN_MAIN: the previous chunk's rows, scales, sorted ids and segments)
         for c0 in range(0, n_chunks, group):
@@ -887,7 +891,6 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                 n_tok = min(chunk, T - t0)
                 if fold_main:
                     part, pexp = sorted_bufs[(c0 + c) % 2]
-                    beside = FOLD_IN_MAIN == "beside"  # (the measurement arm: see FOLD_IN_MAIN)
                     launch(t0, n_tok, part, flags[c] if flags is not None else None, partial_exp=pexp,
                            ranks=ranks[0][c], fold=None if beside else prev)
                     prev = (part, pexp, sorted_ids[c], seg[c])
@@ -906,12 +909,7 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                         D=D, BLOCK_D=next_pow2(D), N_HB=n_part, UNROLL=runs_unroll, PRELOAD=runs_preload,
                         num_warps=runs_warps, **fold16)
                     continue
-                _dkv_reduce_kernel[(triton.cdiv(N, rows_per_program), triton.cdiv(D, block_d))](
-                    partial, order[c], seg[c], acc, K, k_stride, N,
-                    D=D, BLOCK_D=block_d, N_HB=n_part, MASK_D=D % block_d != 0, ROWS=rows_per_program,
-                    UNROLL=unroll, REVERSED=FOLD_ROWS_REVERSED,
-                    num_warps=fold_warps, **fold16,
-                )
+                fold_by_rows(partial, order[c], seg[c])
         if fold_main and prev is not None:  # the last chunk's fold, alone
             fold_sorted(prev)
 
@@ -936,8 +934,11 @@ class _Inverter:
 
     def __init__(self, indices, topk_length, tokens, T, chunk, K, N, side, ranks=False):
         self.indices, self.topk_length, self.tokens, self.side = indices, topk_length, tokens, side
-        self.ranks = ranks  # (also each entry's rank plus one: the sorted layout, FOLD_IN_MAIN)
         self.T, self.chunk, self.K, self.N = T, chunk, K, N
+        # (with ``ranks`` also each entry's rank plus one, the sorted layout's row: FOLD_IN_MAIN;
+        # the values a chunk's ranks take, scattered through its sorted order)
+        self.rank_values = (torch.arange(1, chunk * K + 1, device=indices.device, dtype=torch.int32)
+                            if ranks else None)
         # Sort keys as narrow as N allows: the radix sort makes one pass per key byte
         # (int64 keys: 8 passes, int16: 2).
         self.key_dtype = torch.int16 if N < 2**15 - 1 else torch.int32 if N < 2**31 - 1 else torch.int64
@@ -952,7 +953,7 @@ class _Inverter:
         sorted_ids = torch.empty_like(keys)
         order = torch.empty((g, chunk * K), dtype=torch.int64, device=dev)
         seg = torch.empty((g, N + 1), dtype=torch.int64, device=dev)
-        rank = torch.empty((g, chunk * K), dtype=torch.int32, device=dev) if self.ranks else None
+        rank = None if self.rank_values is None else torch.empty_like(order, dtype=torch.int32)
         lengths = self.topk_length if self.topk_length is not None else self.indices
         with _on_stream(self.side):
             if n:
@@ -964,10 +965,8 @@ class _Inverter:
             torch.sort(keys, dim=-1, stable=True, out=(sorted_ids, order))
             torch.searchsorted(sorted_ids, self.rows.expand(g, N + 1).contiguous(), out=seg)
             if rank is not None:  # rank[order[e]] = e + 1 (row 0 of each part: the stores past K)
-                pos = torch.arange(1, chunk * K + 1, device=dev, dtype=torch.int32).expand(g, chunk * K)
-                rank.scatter_(1, order, pos)
-                return keys, sorted_ids, order, seg, rank
-        return keys, sorted_ids, order, seg
+                rank.scatter_(1, order, self.rank_values.expand(g, chunk * K))
+        return (keys, sorted_ids, order, seg) + ((rank, ) if rank is not None else ())
 
     def wait(self, inv):
         """(sorted_ids, order, seg), each [g, ...], of handle ``inv`` (and the ranks, with
