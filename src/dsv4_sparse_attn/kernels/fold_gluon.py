@@ -125,6 +125,13 @@ if gl is not None:
         return x * (e << 23).to(gl.float32, bitcast=True)[:, None]
 
     @gluon.jit
+    def _row_ahead(SEG, ACC, r, cols):
+        """Row r's end (a [1] tensor, reduced only when the row starts: as a scalar it went to a
+        uniform register at once, which waited for the load there) and its sum so far."""
+        end = gl.load(SEG + r + 1 + gl.zeros([1], gl.int32, _ONE_L)).to(gl.int32)
+        return end, gl.load(ACC + r.to(gl.int64) * _D + cols)
+
+    @gluon.jit
     def fold_begin(FSID, FSEG, ACC, N, rank, grid, ahead, buf, words, FP, FE, E: gl.constexpr,
                    S: gl.constexpr, NP: gl.constexpr):
         """This program's share of the fold (entries [e0, e1)), its first row loaded and the
@@ -136,11 +143,11 @@ if gl is not None:
         e1 = _row_start(FSID, FSEG, hi, n_valid)
         cols = _cols()
         live = e0 < e1
-        rc = gl.load(FSID + gl.minimum(e0, gl.maximum(n_valid - 1, 0)), mask=live, other=0).to(gl.int32)
+        last = gl.maximum(n_valid - 1, 0)
+        rc = gl.load(FSID + gl.minimum(e0, last), mask=live, other=0).to(gl.int32)
         endc = gl.load(FSEG + rc + 1, mask=live, other=0).to(gl.int32)
         acc = gl.load(ACC + rc.to(gl.int64) * _D + cols, mask=live & (cols >= 0), other=0.0)
         # the next row (where e0's ends), its end and values loaded at the first tile
-        last = gl.maximum(n_valid - 1, 0)
         rn = gl.load(FSID + gl.minimum(endc, last), mask=endc < e1, other=0).to(gl.int32)
         for t in gl.static_range(S - 1):
             _issue(buf, words, FP, FE, e0, e1, t, E, S, NP)
@@ -168,10 +175,7 @@ if gl is not None:
             if ahead > 0:
                 _prefetch_l2(FP, e0, e1, t + S - 1 + ahead, E, NP)
             if pending != 0:  # (rn came in a tile ago: its end and values now)
-                # (the end as a [1] tensor, reduced only at the row change: a scalar went
-                # to a uniform register at once, which waited for the load there)
-                endn = gl.load(FSEG + rn + 1 + gl.zeros([1], gl.int32, _ONE_L)).to(gl.int32)
-                accn = gl.load(ACC + rn.to(gl.int64) * _D + cols)
+                endn, accn = _row_ahead(FSEG, ACC, rn, cols)
                 pending = 0
             _cp.wait_group(S - 1)
             thread_barrier()  # (every thread's copies of tile t have landed)
@@ -182,8 +186,7 @@ if gl is not None:
                     if e == endc:  # the row's entries end: its sum stored, the next row's taken
                         gl.store(ACC + rc.to(gl.int64) * _D + cols, acc)
                         if pending != 0:  # (two row changes within a tile)
-                            endn = gl.load(FSEG + rn + 1 + gl.zeros([1], gl.int32, _ONE_L)).to(gl.int32)
-                            accn = gl.load(ACC + rn.to(gl.int64) * _D + cols)
+                            endn, accn = _row_ahead(FSEG, ACC, rn, cols)
                         rc = rn
                         endc = gl.max(endn, 0)
                         acc = accn
