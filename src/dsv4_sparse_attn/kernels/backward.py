@@ -81,7 +81,8 @@ PARTIAL_16_BF16 = False
 # (docs/performance/backward.md#the-fold-inside-the-main-kernel-built-measured-slower-off).
 # "beside" (a measurement arm): the same sorted layout and chunks, each chunk folded right
 # after its main kernel, not inside the next one (what the layout and the smaller chunks
-# cost apart from the fold's place).
+# cost apart from the fold's place). "nofold" (timing only, wrong grad_kv): the same
+# launches with no fold at all, the design's ceiling with its chunks.
 FOLD_IN_MAIN = False
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
@@ -876,7 +877,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
         def fold_sorted(rows):  # a chunk's rows in the sorted layout (FOLD_IN_MAIN; no ORDER read)
             part, pexp, _, seg_c = rows
             fold_by_rows(part, seg_c, seg_c, EXP=pexp)
-        beside = fold_main and FOLD_IN_MAIN == "beside"  # (the measurement arm: see FOLD_IN_MAIN)
+        beside = fold_main and FOLD_IN_MAIN == "beside"  # (the measurement arms: see FOLD_IN_MAIN)
+        nofold = fold_main and FOLD_IN_MAIN == "nofold"
         runs_grid = max(1, n_sm) * runs_per_sm
         prev = None  # (FOLD_IN_MAIN: the previous chunk's rows, scales, sorted ids and segments)
         for c0 in range(0, n_chunks, group):
@@ -892,8 +894,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                 if fold_main:
                     part, pexp = sorted_bufs[(c0 + c) % 2]
                     launch(t0, n_tok, part, flags[c] if flags is not None else None, partial_exp=pexp,
-                           ranks=ranks[0][c], fold=None if beside else prev)
-                    prev = (part, pexp, sorted_ids[c], seg[c])
+                           ranks=ranks[0][c], fold=None if beside or nofold else prev)
+                    prev = None if nofold else (part, pexp, sorted_ids[c], seg[c])
                 else:
                     launch(t0, n_tok, partial, flags[c] if flags is not None else None)
                 if c == g - 1 and c0 + group < n_chunks:  # the next group's, beside this fold
