@@ -293,7 +293,7 @@ FWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_ot", "stride_oh")
 BWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", DO="*bf16", LSE="*fp32", DELTA="*fp32",
                  DQ="*bf16", DKV="*fp32", ACC="*fp32", PARTIAL="*fp32", FLAGS="*i32", LEN="*i32", TOK="*i32",
                  ORDER="*i32", DQR="*fp32", TR="*i32", DQP="*bf16", DQF="*fp32", EXP="*i64",
-                 RANK="*i32", FSID="*i16", FSEG="*i64", FP="*fp16", FE="*i64", scale="fp32",
+                 RANK="*i32", FSID="*i16", FSEG="*i64", FP="*fp16", FE="*i64", SYNC="*i32", scale="fp32",
                  scale_log2="fp32")
 BWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_dt", "stride_dh", "stride_gt", "stride_gh")
 
@@ -336,7 +336,7 @@ def compile_forward_gluon(has_sink=True, run_ptxas=True, has_len=False, rope=0, 
 def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None, rope=0,
                            evict_last=False, split=0, qd_tma=False, qd_early=0, dq_tma=False, hp=64,
                            trans=False, parts=False, paired=False, ablate=0, exact=False, p16=False,
-                           pdl=0, sorted_rows=False, fold=None, n_part=1) -> dict:
+                           pdl=0, sorted_rows=False, fold=None, n_part=1, chained=False) -> dict:
     """``red``: the fast mode (16-byte reductions, in whole lines unless ``lines`` is False;
     default: as the launcher does); else the deterministic partial rows. ``paired``: the
     build of a launch with head-block pairs (deterministic, H = 128; else, as the launcher
@@ -350,7 +350,8 @@ def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None,
     waits for the launch before it at its end; ``launch(pdl=...)``).
     ``sorted_rows``: the 16-bit partial rows at their ranks (``launch(ranks=...)``), and with
     ``fold`` (entries a tile, tiles in the ring) the previous chunk's fold in the producer
-    (``launch(fold=...)``), ``n_part`` head blocks a token."""
+    (``launch(fold=...)``), ``n_part`` head blocks a token; ``chained``: those launches chained
+    (``launch(chain=...)``: ``SORTED`` 2, ``PDL`` 3)."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
     from dsv4_sparse_attn.kernels import hopper
 
@@ -373,7 +374,9 @@ def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None,
         types = {**types, "DQ": f"tensordesc<bf16[1, {G.BLOCK_H}, 128],{layout!r}>"}
         consts["DQ_TMA"] = int(dq_tma)  # staged in q's quarters
     if sorted_rows:
-        consts["SORTED"] = 1
+        consts["SORTED"] = 2 if chained else 1
+        if chained:
+            consts["PDL"] = 3
         if fold:
             consts.update(FOLD_E=fold[0], FOLD_S=fold[1], FOLD_NP=n_part)
     return compile_sm90(G._bwd_main_gluon_kernel, types, consts, hopper.NUM_WARPS, 1, BWD_DIV16,

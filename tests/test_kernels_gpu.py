@@ -1171,7 +1171,8 @@ def test_fold_in_main_gives_the_shipped_bits(monkeypatch, H, K, ids, lengths):
     """``backward.FOLD_IN_MAIN`` (off; the Gluon main kernel folds the previous chunk's rows,
     stored at their ranks, and the last chunk is folded alone in that layout): every gradient
     bitwise that of the shipped deterministic call, for chunks of 300, 70 and 33 tokens and
-    run to run, and with each chunk folded after its main kernel instead (``"beside"``); K
+    run to run, with each chunk folded after its main kernel instead (``"beside"``), and with
+    the launches chained (``FOLD_CHAIN``: chunks of 70, 33 and 20 tokens, 5-15 launches); K
     past whole blocks (slots past K go to each part's spare row), lengths, duplicated ids,
     empty rows; grad_kv also against the float64 oracle."""
     monkeypatch.setattr(kbwd, "EXACT_SUMS", False)
@@ -1183,20 +1184,27 @@ def test_fold_in_main_gives_the_shipped_bits(monkeypatch, H, K, ids, lengths):
     do, dl = torch.randn_like(out), torch.randn_like(lse)
     n_hb = -(-H // 64)
 
-    def run(in_main, chunk=None):
+    def run(in_main, chunk=None, chain=False):
         with monkeypatch.context() as m:
             m.setattr(kbwd, "FOLD_IN_MAIN", in_main)
-            if chunk:  # (the design halves the budget: chunks of ``chunk`` tokens either way)
-                per_chunk = chunk * n_hb * K * c.D * 4 * (2 if in_main else 1)  # (fp32 bytes)
+            m.setattr(kbwd, "FOLD_CHAIN", chain)
+            if chunk:  # (the design halves the budget, chained thirds it: chunks of ``chunk``)
+                bufs = (3 if chain else 2) if in_main else 1
+                per_chunk = chunk * n_hb * K * c.D * 4 * bufs  # (fp32 bytes)
                 m.setattr(kbwd, "PARTIAL_BYTES", -(-per_chunk * 129 // 256))
             return kbwd.sparse_mla_bwd(do, dl, q, kv, out, lse, idx, sink, c.D ** -0.5, main=main,
                                        topk_length=length, partial16=True)
 
     ref = run(False)
-    for in_main, chunk in ((True, None), (True, 70), (True, 33), ("beside", 70)):
-        got = run(in_main, chunk)
+    arms = ((True, None, False), (True, 70, False), (True, 33, False), ("beside", 70, False),
+            (True, 70, True), (True, 33, True), (True, 20, True))
+    for in_main, chunk, chain in arms:
+        got = run(in_main, chunk, chain)
         for name, a, b in zip(("grad_q", "grad_kv", "grad_sink"), ref, got):
-            assert torch.equal(a, b), (in_main, chunk, name, (a.float() - b.float()).abs().max().item())
+            diff = (a.float() - b.float()).abs().max().item()
+            assert torch.equal(a, b), (in_main, chunk, chain, name, diff)
     assert all(torch.equal(a, b) for a, b in zip(run(True, 70), run(False, 33)))
+    for _ in range(3):  # (the chained launches' counters, run to run)
+        assert all(torch.equal(a, b) for a, b in zip(run(True, 20, True), ref))
     rq, rkv, rs = oracle_bwd(do, dl, q, kv, idx, sink, None, length, None)
     assert relerr(ref[1], rkv) < 2e-2

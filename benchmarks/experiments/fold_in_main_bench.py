@@ -9,7 +9,9 @@ Arms: ``shipped``; ``half_budget`` (the shipped fold with the chunks the design 
 the partial-row budget, the cost of the smaller chunks alone); ``sorted_beside`` (the
 design's sorted layout and chunks, each chunk folded right after its main kernel: the cost
 of the layout, apart from the fold's place); ``no_fold`` (timing only: those launches
-with no fold at all, the design's ceiling); ``in_main`` (the default
+with no fold at all, the design's ceiling); ``in_main_chain`` / ``no_fold_chain`` (the
+same with the chunks' launches chained, ``backward.FOLD_CHAIN``: three third-size buffers);
+``in_main`` (the default
 ring: ``backward_gluon.FOLD_TILE_ENTRIES`` entries a tile, ``FOLD_STAGES`` tiles,
 ``FOLD_TILES_A_BLOCK`` tiles after each slot block, ``FOLD_L2_AHEAD`` tiles prefetched into
 the L2); ``in_main_a0`` / ``_a8`` (no prefetch, 8 tiles ahead); ``in_main_t4`` / ``_t16``
@@ -44,6 +46,8 @@ def arms():
         ("sorted_beside", dict(FOLD_IN_MAIN="beside"), {}),
         ("in_main", dict(FOLD_IN_MAIN=True), {}),
         ("no_fold", dict(FOLD_IN_MAIN="nofold"), {}),
+        ("in_main_chain", dict(FOLD_IN_MAIN=True, FOLD_CHAIN=True), {}),
+        ("no_fold_chain", dict(FOLD_IN_MAIN="nofold", FOLD_CHAIN=True), {}),
         ("in_main_a0", dict(FOLD_IN_MAIN=True), dict(FOLD_L2_AHEAD=0)),
         ("in_main_a8", dict(FOLD_IN_MAIN=True), dict(FOLD_L2_AHEAD=8)),
         ("in_main_t4", dict(FOLD_IN_MAIN=True), dict(FOLD_TILES_A_BLOCK=4)),

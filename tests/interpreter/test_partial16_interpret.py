@@ -243,14 +243,16 @@ def test_inversion_ranks_invert_the_sorted_order():
         assert torch.equal(rank[c][order[c]], torch.arange(1, chunk * K + 1, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("mode", [True, "beside"])
+@pytest.mark.parametrize("mode", [True, "beside", "chain"])
 def test_fold_in_main_chunk_plumbing(monkeypatch, mode):
     """``backward.FOLD_IN_MAIN``'s host side (the Gluon kernel itself runs on the GPU only:
     tests/test_kernels_gpu.py): with a stand-in main kernel that records its launches, each
     chunk gets its own ranks and one of two sorted-layout buffers in turn, chunk c's launch
     folds chunk c - 1's rows (buffer, scales, sorted ids and segments), the first folds
     nothing, and the fold by rows (``_dkv_reduce_kernel(SORTED=True)``) takes the last
-    chunk alone; with ``"beside"`` no launch folds and every chunk is folded after its own."""
+    chunk alone; with ``"beside"`` no launch folds and every chunk is folded after its own.
+    ``"chain"`` (``FOLD_CHAIN``): three buffers in turn, and each launch's counters' targets:
+    two stores a program of the chunk before, the programs that folded chunks c - 2 and c - 3."""
     import types
 
     from dsv4_sparse_attn.kernels import backward as kbwd
@@ -262,9 +264,11 @@ def test_fold_in_main_chunk_plumbing(monkeypatch, mode):
     def launch(q, kv, idx, do, lse, delta, grad_q, acc, partial, flags, t_begin, n_tok, *args, **kw):
         grad_q[t_begin:t_begin + n_tok] = 0
         fold = kw.get("fold")
+        chain = kw.get("chain")
         launches.append(dict(t_begin=t_begin, n_tok=n_tok, partial=partial.data_ptr(),
                              shape=tuple(partial.shape), ranks=tuple(kw["ranks"].shape),
-                             fold=None if fold is None else fold[0].data_ptr()))
+                             fold=None if fold is None else fold[0].data_ptr(),
+                             chain=None if chain is None else tuple(chain[1:]), programs=kw.get("programs")))
 
     main = types.SimpleNamespace(
         NAME="stand-in", PARTIAL_16=True, ACC_FAKE_ORDER=False, tile_heads=real.tile_heads,
@@ -280,10 +284,12 @@ def test_fold_in_main_chunk_plumbing(monkeypatch, mode):
             return run
 
     monkeypatch.setattr(kbwd, "_dkv_reduce_kernel", Fold())
-    monkeypatch.setattr(kbwd, "FOLD_IN_MAIN", mode)
+    monkeypatch.setattr(kbwd, "FOLD_IN_MAIN", True if mode == "chain" else mode)
+    monkeypatch.setattr(kbwd, "FOLD_CHAIN", mode == "chain")
     monkeypatch.setattr(kbwd, "EXACT_SUMS", False)
-    # (chunks of 3 tokens: the budget's half, in 16-bit rows' terms)
-    monkeypatch.setattr(kbwd, "PARTIAL_BYTES", -(-chunk * K * D * 4 * 2 * 129 // 256))
+    # (chunks of 3 tokens: the budget's half (chained: third), in 16-bit rows' terms)
+    n_bufs = 3 if mode == "chain" else 2
+    monkeypatch.setattr(kbwd, "PARTIAL_BYTES", -(-chunk * K * D * 4 * n_bufs * 129 // 256))
     g = torch.Generator().manual_seed(0)
     q, kv = torch.randn(T, H, D, generator=g).half(), torch.randn(N, D, generator=g).half()
     idx = torch.randint(-1, N, (T, K), generator=g, dtype=torch.int32)
@@ -295,8 +301,16 @@ def test_fold_in_main_chunk_plumbing(monkeypatch, mode):
     assert [(x["t_begin"], x["n_tok"]) for x in launches] == want
     assert all(x["shape"] == ((chunk * K + 1) * 1, D) and x["ranks"] == (chunk * K, ) for x in launches)
     bufs = [x["partial"] for x in launches]
-    assert len(set(bufs[0::2])) == 1 and len(set(bufs[1::2])) == 1 and bufs[0] != bufs[1]
+    assert all(len(set(bufs[i::n_bufs])) == 1 for i in range(n_bufs)) and len(set(bufs[:n_bufs])) == n_bufs
     assert all(f["sorted"] for f in folds)
+    if mode == "chain":  # (no GPU: a program a tile; H = 4, one head block)
+        grids = [x["n_tok"] for x in launches]
+        assert [x["programs"] for x in launches] == grids
+        assert [x["chain"] for x in launches] == [
+            (c, 2 * grids[c - 1] if c else 0, grids[c - 1] if c >= 2 else 0, grids[c - 2] if c >= 3 else 0)
+            for c in range(n_chunks)]
+    else:
+        assert all(x["chain"] is None for x in launches)
     if mode == "beside":
         assert all(x["fold"] is None for x in launches)
         assert [f["partial"] for f in folds] == bufs

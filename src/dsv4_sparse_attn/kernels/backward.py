@@ -84,6 +84,13 @@ PARTIAL_16_BF16 = False
 # cost apart from the fold's place). "nofold" (timing only, wrong grad_kv): the same
 # launches with no fold at all, the design's ceiling with its chunks.
 FOLD_IN_MAIN = False
+# With FOLD_IN_MAIN, the chunks' launches chained (off): each starts the next as its programs
+# start (programmatic dependent launch), so that the next chunk's tiles take the SMs its
+# last programs leave instead of waiting for them; counters order the fold (chunk c's
+# programs fold chunk c - 1 once all its rows are stored and chunk c - 2's fold has ended)
+# and the buffers (three of a third of the budget: chunk c's rows overwrite chunk c - 3's
+# once their fold has ended). The same bits. Unmeasured.
+FOLD_CHAIN = False
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
 # of the backward is this plus O(T*H + N*D) fp32): under the 1 GiB the backward may
@@ -791,7 +798,9 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                          and getattr(main, "folds_in_main", lambda *a: False)(D, grad_out.shape[-1])
                          and not (PARTIAL_16_BF16 and getattr(main, "PARTIAL_BF16", False))
                          and not fold_runs(N, n_sm))
-        chunk = chunk_tokens(T, n_part, k_stride, D, budget // 2 if fold_main else budget, n_sm)
+        chained = fold_main and bool(FOLD_CHAIN) and FOLD_IN_MAIN != "beside"
+        n_bufs = 3 if chained else 2 if fold_main else 1
+        chunk = chunk_tokens(T, n_part, k_stride, D, budget // n_bufs, n_sm)
         if topk_length is not None and n_part * k_stride * D * 4 >= LENGTH_ORDER_MIN_BYTES:
             tokens = length_order(topk_length, K)
         n_chunks = triton.cdiv(T, chunk)
@@ -844,10 +853,13 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
             orders = main.schedule(topk_length, chunk, H, paired, tokens)
         rope = grad_out.shape[-1] != D  # (its last 64 columns: two segments of 32)
         bf16 = partial16 and PARTIAL_16_BF16 and getattr(main, "PARTIAL_BF16", False) and not rope
-        if fold_main:  # two buffers: chunk c's rows while chunk c - 1's are folded
+        if fold_main:  # two buffers (chained: three): chunk c's rows while chunk c - 1's are folded
             rows = (chunk * K + 1) * n_part
             sorted_bufs = [(torch.empty((rows, D), device=dev, dtype=torch.float16),
-                            torch.empty((rows, ), device=dev, dtype=torch.int64)) for _ in range(2)]
+                            torch.empty((rows, ), device=dev, dtype=torch.int64)) for _ in range(n_bufs)]
+            # (chained: each chunk's stores and fold ends, counted; the programs of each launch)
+            sync = torch.zeros((2 * (n_chunks + 3), ), dtype=torch.int32, device=dev) if chained else None
+            grids = []
         else:
             dtype = torch.bfloat16 if bf16 else torch.float16 if partial16 else torch.float32
             partial = torch.empty((chunk, n_part, k_stride, D), device=dev, dtype=dtype)
@@ -892,9 +904,18 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                 t0 = (c0 + c) * chunk
                 n_tok = min(chunk, T - t0)
                 if fold_main:
-                    part, pexp = sorted_bufs[(c0 + c) % 2]
+                    ci = c0 + c
+                    part, pexp = sorted_bufs[ci % n_bufs]
+                    opts = {}
+                    if chained:
+                        grids.append(min(n_tok * n_hb, n_sm) if n_sm else n_tok * n_hb)
+                        folds = not nofold  # (launch k + 1 folds chunk k, with its grids[k + 1] programs)
+                        need_f2 = grids[ci - 1] if folds and ci >= 2 else 0
+                        need_f3 = grids[ci - 2] if folds and ci >= 3 else 0
+                        opts = dict(programs=grids[ci], chain=(sync, ci, 2 * grids[ci - 1] if ci >= 1 else 0,
+                                                               need_f2, need_f3))
                     launch(t0, n_tok, part, flags[c] if flags is not None else None, partial_exp=pexp,
-                           ranks=ranks[0][c], fold=None if beside or nofold else prev)
+                           ranks=ranks[0][c], fold=None if beside or nofold else prev, **opts)
                     prev = None if nofold else (part, pexp, sorted_ids[c], seg[c])
                 else:
                     launch(t0, n_tok, partial, flags[c] if flags is not None else None)

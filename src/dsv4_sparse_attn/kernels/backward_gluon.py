@@ -235,6 +235,32 @@ def _producer_sorted(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_L
 
 
 @gluon.jit
+def _producer_chained(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
+                      ABL: gl.constexpr):
+    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, False, 0, 2)
+
+
+@gluon.jit
+def _chain_ready(SYNC, c, need_t, need_f2):
+    """Chained launches (``SORTED`` 2, ``backward.FOLD_CHAIN``): 1 once every tile of chunk
+    c - 1 has stored its rows and chunk c - 2's fold has ended (so the sums it continues are
+    final), else 0. ``SYNC``: int32 counters, chunk k's tiles done at 2 k and its fold done at
+    2 k + 1 (k counted from 3: the chunks before the first read zeros against targets 0);
+    acquire loads, so the rows and sums they count are seen."""
+    t = _ld_acquire(SYNC + 2 * (c - 1))
+    f = _ld_acquire(SYNC + 2 * (c - 2) + 1)
+    return ((t >= need_t) & (f >= need_f2)).to(gl.int32)
+
+
+@gluon.jit
+def _ld_acquire(ptr):
+    """An int32 counter by ``ld.acquire.gpu`` in every thread (a scalar atomic would be one
+    thread's, its value sent to the others through shared memory and a barrier)."""
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
 def _producer_rope(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
                    ABL: gl.constexpr):
     _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 64, False, 0)
@@ -271,17 +297,26 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
     q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars, rank_smem, f_buf, f_words = smem
     # SORTED: each block's slots' partial-row ranks (RANK, ``backward.FOLD_IN_MAIN``) into
     # rank_smem for the consumers' stores; FOLD (where the kernel allocated the fold's ring:
-    # f_buf, and f_words int64 [S, NP, E]): the previous chunk's fold between the gathers
-    RANK, FSID, FSEG, FP, FE, ACC, fold_count, fold_ahead = FOLDIO
+    # f_buf, and f_words int64 [S, NP, E]): the previous chunk's fold between the gathers.
+    # SORTED 2 (chained launches, ``backward.FOLD_CHAIN``): the fold starts once the previous
+    # chunk is ready (``_chain_ready``, polled after each block's gathers, waited for after
+    # the last), and its end is counted in SYNC.
+    RANK, FSID, FSEG, FP, FE, ACC, CHAINIO, fold_count, fold_ahead = FOLDIO
+    SYNC, chain_c, need_t, need_f2 = CHAINIO
     FOLD: gl.constexpr = f_words.dtype == gl.int64
+    CHAIN: gl.constexpr = SORTED == 2
     offs_rk = gl.arange(0, _BK, layout=gl.BlockedLayout([1], [32], [4], [0]))
     if FOLD:
         F_S: gl.constexpr = f_buf.shape[0]
         F_NP: gl.constexpr = f_words.shape[1]
         F_E: gl.constexpr = f_words.shape[2]
         fw = fold_view(f_words, gl.int64, F_S, F_E * F_NP, fold_flat1)
+        fgo = 1
+        if CHAIN:
+            fgo = _chain_ready(SYNC, chain_c, need_t, need_f2)
         fstate = fold_begin(FSID, FSEG, ACC, N, rank, gl.num_programs(0), fold_ahead, f_buf, fw, FP, FE, F_E,
-                            F_S, F_NP)
+                            F_S, F_NP, fgo)
+        fstarted = fgo
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte copies
     offs_d = gl.arange(0, _QD, layout=gl.SliceLayout(0, ld))
     offs_r = gl.arange(0, _BK, layout=gl.SliceLayout(1, ld))
@@ -335,6 +370,13 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
                            + offs_rd[None, :], mask=(hr < H)[:, None])
             cp.mbarrier_arrive(bars.index(_QD_READY), increment_count=False)
 
+        if FOLD:
+            if CHAIN:  # (polled at each tile's start: the previous chunk's fold begins once it is ready)
+                if fstarted == 0:
+                    if _chain_ready(SYNC, chain_c, need_t, need_f2) != 0:
+                        fstate = fold_begin(FSID, FSEG, ACC, N, rank, gl.num_programs(0), fold_ahead, f_buf,
+                                            fw, FP, FE, F_E, F_S, F_NP, 1)
+                        fstarted = fstarted * 0 + 1
         idx_row = IDX + pid_t * stride_it + b0 * _BK
         ids = load_ids(idx_row, 0, k_end, offs_r)
         for j in range(0, nb_t):
@@ -371,7 +413,16 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
         tcount += 1
         bcount += nb_t
     if FOLD:  # what is left of the fold
+        if CHAIN:
+            if fstarted == 0:
+                while _chain_ready(SYNC, chain_c, need_t, need_f2) == 0:
+                    pass
+                fstate = fold_begin(FSID, FSEG, ACC, N, rank, gl.num_programs(0), fold_ahead, f_buf, fw, FP,
+                                    FE, F_E, F_S, F_NP, 1)
         fstate = fold_tiles(fstate, 1 << 30, fold_ahead, FSID, FSEG, ACC, f_buf, fw, FP, FE, F_E, F_S, F_NP)
+        if CHAIN:  # this program's share of chunk c - 1's fold has ended (its sums stored)
+            thread_barrier()
+            gl.atomic_add(SYNC + 2 * (chain_c - 1) + 1, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -414,13 +465,17 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
               EVICT_LAST: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr, DQ_TMA: gl.constexpr,
               ABL: gl.constexpr, HP: gl.constexpr, TRANS: gl.constexpr, PARTS: gl.constexpr,
               PAIRS: gl.constexpr = True, SORTED: gl.constexpr = 0):
-    io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired, units = args
+    io, sizes, strides, smem, scales, t_begin, n_tiles, nb, rank, paired, units, chain = args
     H, N, K = sizes
     IDX, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, EXP = io
     n_units = units[0]  # (and with PARTS: n_full, n_parts and DQF)
     n_hb = gl.cdiv(H, _BH)
     tcount = 0
     bcount = 0  # slot blocks consumed so far (the barriers' phases)
+    if SORTED == 2:  # (chained launches) this chunk's buffer held chunk c - 3's rows: their fold has ended
+        SYNC, chain_c, need_f3 = chain
+        while gl.atomic_add(SYNC + 2 * (chain_c - 3) + 1, 0, sem="acquire", scope="gpu") < need_f3:
+            pass
     for unit in range(rank, n_units, gl.num_programs(0)):
         if PARTS:  # (PARTS: the launch cut the remainder's tiles; fast mode, no lengths)
             tile, b0, nb_u, prow = _unit(unit, units[1], units[2], nb)
@@ -453,6 +508,9 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
             _stamp(TR, n_tiles, rank, tcount, _EV_C_END + 4 * WG, ABL)
         tcount += 1
         bcount += nb_t
+    if SORTED == 2:  # this program's rows of the chunk stored (both consumers count: 2 a program)
+        thread_barrier()
+        gl.atomic_add(chain[0] + 2 * chain[1], 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -1347,14 +1405,15 @@ def _consume_tile(io, sizes, strides, smem, scales, nb, nb_t, g0, k_end, pid_c, 
 # Runtime integers (no recompile per T, N, H or K; as in the Triton main kernel), plus the
 # chunk's tile count and the pairing switch.
 _RUNTIME_INTS = ["H", "N", "K", "t_begin", "n_tiles", "paired", "n_units", "n_full", "n_parts", "fold_count",
-                 "fold_ahead", "stride_it", "stride_lt"]
+                 "fold_ahead", "chain_c", "need_t", "need_f2", "need_f3", "stride_it", "stride_lt"]
 
 
 @gluon.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_main_gluon_kernel(
     Q, KV, IDX, DO, LSE, DELTA, DQ, ACC, PARTIAL, FLAGS, LEN, ORDER, DQR, TR, DQP, DQF, EXP,
-    RANK, FSID, FSEG, FP, FE,
+    RANK, FSID, FSEG, FP, FE, SYNC,
     H, N, K, t_begin, n_tiles, paired, n_units, n_full, n_parts, fold_count, fold_ahead,
+    chain_c, need_t, need_f2, need_f3,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dt, stride_dh,
     stride_lt, stride_gt, stride_gh,
     scale, scale_log2,
@@ -1383,6 +1442,8 @@ def _bwd_main_gluon_kernel(
                                     and HAS_LEN != 2),
                      "partial rows at their ranks: deterministic, D = 512, unsplit, q and dO by cp.async")
     gl.static_assert(FOLD_E == 0 or SORTED != 0, "the fold in the producer: partial rows at their ranks")
+    gl.static_assert(SORTED != 2 or PDL == 3,
+                     "chained launches (SORTED 2): each starts the next and waits for the last")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
     gl.static_assert(not SPLIT or ROPE == 0, "split roles: D = 512 (no score-only columns)")
     gl.static_assert(RED != 7 or (ROPE == 0 and not EVICT_LAST), "exact sums: D = 512, no evict-last")
@@ -1454,7 +1515,7 @@ def _bwd_main_gluon_kernel(
     # program_id: the program holding a pair's odd tile then knows the one holding the
     # even tile (the rank below) has started, so its wait always ends.
     rank = gl.atomic_add(FLAGS, 1, sem="relaxed")
-    if PDL == 1:  # the launch after this one (PDL 2) may start on the SMs this grid leaves
+    if PDL == 1 or PDL == 3:  # the launch after this one (PDL 2, 3) may start on the SMs this grid leaves
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r", [rank],
                                   dtype=gl.int32, is_pure=False, pack=1)
     sizes = (H, N, K)
@@ -1462,8 +1523,9 @@ def _bwd_main_gluon_kernel(
               (stride_it, stride_lt, stride_gt, stride_gh),
               (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, p_smem, ds_smem, bars, rank_smem),
               (scale, scale_log2), t_begin, n_tiles, nb, rank, paired,
-              (n_units, n_full, n_parts, DQF) if PARTS else (n_units, ))
+              (n_units, n_full, n_parts, DQF) if PARTS else (n_units, ), (SYNC, chain_c, need_f3))
     p_args = ((Q, DO, KV, IDX, LEN, ORDER, TR, (n_units, n_full, n_parts), (RANK, FSID, FSEG, FP, FE, ACC,
+                                                                            (SYNC, chain_c, need_t, need_f2),
                                                                             fold_count, fold_ahead)), sizes,
               (stride_qt, stride_qh, stride_dt, stride_dh, stride_kvn, stride_it),
               (q_smem, do_smem, kv_smem, qr_smem, kvr_smem, bars, rank_smem, f_buf, f_words), t_begin,
@@ -1498,7 +1560,7 @@ def _bwd_main_gluon_kernel(
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
                                          HP, TRANS, PARTS, PAIRS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
-    elif SORTED:  # (with the fold the consumers at FOLD_CONSUMER_REGS, the producer at the rest)
+    elif SORTED == 1:  # (with the fold the consumers at FOLD_CONSUMER_REGS, the producer at the rest)
         C_REGS: gl.constexpr = FOLD_CONSUMER_REGS if FOLD_E > 0 else PARTITION_REGS
         gl.warp_specialize([(_producer_sorted, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
@@ -1506,6 +1568,14 @@ def _bwd_main_gluon_kernel(
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
                                          HP, TRANS, PARTS, PAIRS, 1))],
                            [PARTITION_WARPS, PARTITION_WARPS], [C_REGS, C_REGS])
+    elif SORTED == 2:  # (the same, chained: backward.FOLD_CHAIN)
+        C_REGS2: gl.constexpr = FOLD_CONSUMER_REGS if FOLD_E > 0 else PARTITION_REGS
+        gl.warp_specialize([(_producer_chained, p_args),
+                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
+                                         HP, TRANS, PARTS, PAIRS, 2)),
+                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
+                                         HP, TRANS, PARTS, PAIRS, 2))],
+                           [PARTITION_WARPS, PARTITION_WARPS], [C_REGS2, C_REGS2])
     else:
         gl.warp_specialize([(_producer, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
@@ -1513,7 +1583,7 @@ def _bwd_main_gluon_kernel(
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
                                          HP, TRANS, PARTS, PAIRS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
-    if PDL == 2:  # (launched early beside the grid before it) ends only after that grid has
+    if PDL >= 2:  # (launched early beside the grid before it) ends only after that grid has
         # ended and its writes are visible, so the launches after this one see both
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,r", [rank],
                                   dtype=gl.int32, is_pure=False, pack=1)
@@ -1641,7 +1711,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
            split=None, qd_tma=None, qd_early=None, dq_tma=None, ablate=0, trace=None, head_pad=None,
            transposed=None, cache=None, split_remainder=None, pairs_code=None, dq_parts=None,
            exact_codes=None, partial_exp=None, in_order=False, programs=None, pdl=None, ranks=None,
-           fold=None, fold_tile=None, _pdl=0):
+           fold=None, fold_tile=None, chain=None, _pdl=0):
     """One chunk of tokens [t_begin, t_begin + n_tok). ``acc``: the fake-ordered fp32
     [N, D] accumulator of the fast mode (``partial`` None), or ``partial``: the
     [n_tok, n_hb // (1 + paired), partial_slots(K), D] fp32 rows of the deterministic one.
@@ -1699,7 +1769,14 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     (partial, partial_exp, sorted ids, segments), folded into ``acc`` by the producer
     (``fold_gluon``; D = d_v = 512, no lengths in token order). ``fold_tile``: (entries a
     tile, tiles in the ring, tiles after each slot block, tiles prefetched into the L2 ahead),
-    default ``FOLD_TILE_ENTRIES``, ``FOLD_STAGES``, ``FOLD_TILES_A_BLOCK``, ``FOLD_L2_AHEAD``."""
+    default ``FOLD_TILE_ENTRIES``, ``FOLD_STAGES``, ``FOLD_TILES_A_BLOCK``, ``FOLD_L2_AHEAD``.
+    ``chain`` (with ``ranks``; ``backward.FOLD_CHAIN``): (sync, c, need_t, need_f2, need_f3):
+    the launches of a call's chunks overlap (each starts the next as its programs start, by
+    programmatic dependent launch, and ends after the one before it), and int32 counters
+    ``sync`` (zeros; chunk k's at 2 (k + 3) and 2 (k + 3) + 1) order them: this chunk, c, counts
+    its tiles' stores (two a tile) and its programs' ends of chunk c - 1's fold; its fold waits
+    for need_t stores of chunk c - 1 and need_f2 ends of chunk c - 2's fold, its stores for
+    need_f3 ends of chunk c - 3's (whose rows this chunk's buffer held: three buffers)."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
@@ -1767,6 +1844,11 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         early = 0
     if fold is not None and not sorted_rows:
         raise ValueError("the fold in the main kernel: with partial rows at their ranks (ranks)")
+    if chain is not None and not sorted_rows:
+        raise ValueError("chained launches: with partial rows at their ranks (ranks)")
+    sync, chain_c, need_t, need_f2, need_f3 = chain if chain is not None else (flags, 0, 0, 0, 0)
+    if chain is not None:
+        _pdl = 3
     if "args" not in cache:  # (the same tensors and settings for every chunk of a call)
         cache["args"] = ((_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out),
                          _qd_descriptor(grad_q) if dq_by_tma else grad_q)
@@ -1811,8 +1893,9 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         topk_length if topk_length is not None else indices, order if order is not None else indices, dqr,
         trace if trace is not None else flags, grad_q, dqf,
         partial_exp if partial_exp is not None else flags,
-        ranks if sorted_rows else flags, fsid, fseg, fp, fexp,
+        ranks if sorted_rows else flags, fsid, fseg, fp, fexp, sync,
         H, N, K, t_begin, n_tiles, int(paired), n_units, n_full, n_parts, int(ft), int(fa),
+        int(chain_c) + 3, int(need_t), int(need_f2), int(need_f3),
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), grad_out.stride(0),
         grad_out.stride(1), lse.stride(0), grad_q.stride(0), grad_q.stride(1),
         scale, scale_log2,
@@ -1823,8 +1906,9 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         HP=hp, TRANS=trans, PARTS=n_units > n_full,
         PAIRS=_pairs_code(paired, partial is not None, rope, pairs_code,
                           rows16=partial_exp is not None and bool(dq_by_tma)),
-        PDL=_pdl, SORTED=int(sorted_rows), FOLD_E=int(fe) if fold is not None else 0, FOLD_S=int(fs),
-        FOLD_NP=n_hb, num_warps=NUM_WARPS, maxnreg=MAXNREG, **({"launch_pdl": True} if _pdl == 2 else {}),
+        PDL=_pdl, SORTED=2 if chain is not None else int(sorted_rows),
+        FOLD_E=int(fe) if fold is not None else 0, FOLD_S=int(fs),
+        FOLD_NP=n_hb, num_warps=NUM_WARPS, maxnreg=MAXNREG, **({"launch_pdl": True} if _pdl >= 2 else {}),
     )
     if n_units > n_full:  # the remainder tiles' dQ: their parts summed in order
         job = DqParts(dqf, grad_q, t_begin, n_full, n_parts, n_tiles - n_full, n_hb, BLOCK_H)

@@ -108,7 +108,8 @@ if gl is not None:
             ok = r < (e1 - first) * NP
             row0 = (first + 1).to(gl.int64) * NP  # (row 0 of each part: the stores past K)
             slot = t % S
-            async_load(buf.index(slot), PART + (row0 + r)[:, None] * _D + c[None, :], mask=ok[:, None])
+            async_load(buf.index(slot), PART + (row0 + r)[:, None] * _D + c[None, :], mask=ok[:, None],
+                       cache_modifier=".cg")
             k = gl.arange(0, E * NP, layout=_ONE_L)
             async_load(words.index(slot), EXP + row0 + k, mask=k < (e1 - first) * NP)
         _cp.commit_group()
@@ -129,16 +130,19 @@ if gl is not None:
         """Row r's end (a [1] tensor, reduced only when the row starts: as a scalar it went to a
         uniform register at once, which waited for the load there) and its sum so far."""
         end = gl.load(SEG + r + 1 + gl.zeros([1], gl.int32, _ONE_L)).to(gl.int32)
-        return end, gl.load(ACC + r.to(gl.int64) * _D + cols)
+        return end, gl.load(ACC + r.to(gl.int64) * _D + cols, cache_modifier=".cg")
 
     @gluon.jit
     def fold_begin(FSID, FSEG, ACC, N, rank, grid, ahead, buf, words, FP, FE, E: gl.constexpr,
-                   S: gl.constexpr, NP: gl.constexpr):
+                   S: gl.constexpr, NP: gl.constexpr, go=1):
         """This program's share of the fold (entries [e0, e1)), its first row loaded and the
-        ring's first S - 1 tiles issued: the state ``fold_tiles`` carries."""
+        ring's first S - 1 tiles issued: the state ``fold_tiles`` carries. ``go`` 0: an empty
+        share (no load of the rows or the sums; the chained launches' state before the
+        previous chunk is ready, ``backward.FOLD_CHAIN``)."""
         n_valid = gl.load(FSEG + N).to(gl.int32)
         lo = ((rank.to(gl.int64) * n_valid) // grid).to(gl.int32)
         hi = (((rank + 1).to(gl.int64) * n_valid) // grid).to(gl.int32)
+        hi = gl.where(go != 0, hi, lo)
         e0 = _row_start(FSID, FSEG, lo, n_valid)
         e1 = _row_start(FSID, FSEG, hi, n_valid)
         cols = _cols()
@@ -146,7 +150,8 @@ if gl is not None:
         last = gl.maximum(n_valid - 1, 0)
         rc = gl.load(FSID + gl.minimum(e0, last), mask=live, other=0).to(gl.int32)
         endc = gl.load(FSEG + rc + 1, mask=live, other=0).to(gl.int32)
-        acc = gl.load(ACC + rc.to(gl.int64) * _D + cols, mask=live & (cols >= 0), other=0.0)
+        acc = gl.load(ACC + rc.to(gl.int64) * _D + cols, mask=live & (cols >= 0), other=0.0,
+                      cache_modifier=".cg")
         # the next row (where e0's ends), its end and values loaded at the first tile
         rn = gl.load(FSID + gl.minimum(endc, last), mask=endc < e1, other=0).to(gl.int32)
         for t in gl.static_range(S - 1):
@@ -155,7 +160,8 @@ if gl is not None:
             for tp in range(S - 1, S - 1 + ahead):
                 _prefetch_l2(FP, e0, e1, tp, E, NP)
         endn = gl.full([1], 0, gl.int32, _ONE_L)
-        return (0, e0, e1, rc, endc, acc, rn, endn, acc, 1)
+        # (the tile and pending flag as tensors: a state made in a branch merges with the loop's)
+        return (e0 * 0, e0, e1, rc, endc, acc, rn, endn, acc, e0 * 0 + 1)
 
     @gluon.jit
     def fold_tiles(state, count, ahead, FSID, FSEG, ACC, buf, words, FP, FE, E: gl.constexpr, S: gl.constexpr,
