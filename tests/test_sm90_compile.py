@@ -331,7 +331,7 @@ def test_gluon_backward_chained_fold_compiles_for_sm90(fold, n_part):
     """``backward.FOLD_CHAIN`` (off, a measurement option): the builds of the chained launches
     (``launch(chain=...)``: ``SORTED`` 2, ``PDL`` 3) within the shared memory, with the
     default build's wgmmas and stores in two block loops. Under Triton 3.6 the chained fold
-    build's consumer loops reload 5-6 values a block (the counters' polls in the producer
+    build's consumer loops reload 5-8 values a block (the counters' polls in the producer
     move ptxas's allocation at 224 registers) and do not serialise; under 3.9 it serialises
     its wgmmas, which this test records rather than hides."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
@@ -348,7 +348,7 @@ def test_gluon_backward_chained_fold_compiles_for_sm90(fold, n_part):
         assert r["wgmma_serialized"] is True, r  # (known: see the docstring; a fix turns this over)
         return
     assert r["wgmma_serialized"] is False, r
-    reloads = (1 if G.TRITON_VERSION >= (3, 9) else 0) if fold is None else 6
+    reloads = (1 if G.TRITON_VERSION >= (3, 9) else 0) if fold is None else 8
     for lp, b in zip(r["mma_loops"], base["mma_loops"]):
         assert lp["LDL"] <= reloads and lp["HGMMA"] == b["HGMMA"] and lp["STG"] == b["STG"], (lp, b)
 

@@ -370,13 +370,6 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
                            + offs_rd[None, :], mask=(hr < H)[:, None])
             cp.mbarrier_arrive(bars.index(_QD_READY), increment_count=False)
 
-        if FOLD:
-            if CHAIN:  # (polled at each tile's start: the previous chunk's fold begins once it is ready)
-                if fstarted == 0:
-                    if _chain_ready(SYNC, chain_c, need_t, need_f2) != 0:
-                        fstate = fold_begin(FSID, FSEG, ACC, N, rank, gl.num_programs(0), fold_ahead, f_buf,
-                                            fw, FP, FE, F_E, F_S, F_NP, 1)
-                        fstarted = fstarted * 0 + 1
         idx_row = IDX + pid_t * stride_it + b0 * _BK
         ids = load_ids(idx_row, 0, k_end, offs_r)
         for j in range(0, nb_t):
@@ -403,6 +396,12 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
                     async_load(rank_smem.index((g0 + j) & 1), RANK + pos_c * K + slot_k, mask=slot_k < K)
                 cp.mbarrier_arrive(bars.index(_KV_READY + half), increment_count=False)
             if FOLD:  # fold tiles once the block's gathers and their arrives are issued
+                if CHAIN:  # (polled a block: the fold begins once chunk c - 1 is ready)
+                    if fstarted == 0:
+                        if _chain_ready(SYNC, chain_c, need_t, need_f2) != 0:
+                            fstate = fold_begin(FSID, FSEG, ACC, N, rank, gl.num_programs(0), fold_ahead,
+                                                f_buf, fw, FP, FE, F_E, F_S, F_NP, 1)
+                            fstarted = fstarted * 0 + 1
                 fstate = fold_tiles(fstate, fold_count, fold_ahead, FSID, FSEG, ACC, f_buf, fw, FP, FE, F_E,
                                     F_S, F_NP)
             if ABL & 16:
