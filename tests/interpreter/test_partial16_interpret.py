@@ -307,8 +307,8 @@ def test_fold_in_main_chunk_plumbing(monkeypatch, mode):
         grids = [x["n_tok"] for x in launches]
         assert [x["programs"] for x in launches] == grids
         assert [x["chain"] for x in launches] == [
-            (c, 2 * grids[c - 1] if c else 0, grids[c - 1] if c >= 2 else 0, grids[c - 2] if c >= 3 else 0)
-            for c in range(n_chunks)]
+            (c, 2 * grids[c - 1] if c else 0, grids[c - 1] if c >= 2 else 0, grids[c - 2] if c >= 3 else 0,
+             c > 0) for c in range(n_chunks)]
     else:
         assert all(x["chain"] is None for x in launches)
     if mode == "beside":

@@ -912,8 +912,10 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                         folds = not nofold  # (launch k + 1 folds chunk k, with its grids[k + 1] programs)
                         need_f2 = grids[ci - 1] if folds and ci >= 2 else 0
                         need_f3 = grids[ci - 2] if folds and ci >= 3 else 0
+                        # (a group's first launch follows the inversion's wait and this call's
+                        # other work in stream order; the others start early)
                         opts = dict(programs=grids[ci], chain=(sync, ci, 2 * grids[ci - 1] if ci >= 1 else 0,
-                                                               need_f2, need_f3))
+                                                               need_f2, need_f3, c > 0))
                     launch(t0, n_tok, part, flags[c] if flags is not None else None, partial_exp=pexp,
                            ranks=ranks[0][c], fold=None if beside or nofold else prev, **opts)
                     prev = None if nofold else (part, pexp, sorted_ids[c], seg[c])

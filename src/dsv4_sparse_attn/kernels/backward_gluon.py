@@ -1769,9 +1769,10 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     (``fold_gluon``; D = d_v = 512, no lengths in token order). ``fold_tile``: (entries a
     tile, tiles in the ring, tiles after each slot block, tiles prefetched into the L2 ahead),
     default ``FOLD_TILE_ENTRIES``, ``FOLD_STAGES``, ``FOLD_TILES_A_BLOCK``, ``FOLD_L2_AHEAD``.
-    ``chain`` (with ``ranks``; ``backward.FOLD_CHAIN``): (sync, c, need_t, need_f2, need_f3):
-    the launches of a call's chunks overlap (each starts the next as its programs start, by
-    programmatic dependent launch, and ends after the one before it), and int32 counters
+    ``chain`` (with ``ranks``; ``backward.FOLD_CHAIN``): (sync, c, need_t, need_f2, need_f3,
+    early): the launches of a call's chunks overlap (each starts the next as its programs
+    start, and with ``early`` a launch takes that start, by programmatic dependent launch;
+    each ends after the one before it), and int32 counters
     ``sync`` (zeros; chunk k's at 2 (k + 3) and 2 (k + 3) + 1) order them: this chunk, c, counts
     its tiles' stores (two a tile) and its programs' ends of chunk c - 1's fold; its fold waits
     for need_t stores of chunk c - 1 and need_f2 ends of chunk c - 2's fold, its stores for
@@ -1845,7 +1846,8 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         raise ValueError("the fold in the main kernel: with partial rows at their ranks (ranks)")
     if chain is not None and not sorted_rows:
         raise ValueError("chained launches: with partial rows at their ranks (ranks)")
-    sync, chain_c, need_t, need_f2, need_f3 = chain if chain is not None else (flags, 0, 0, 0, 0)
+    sync, chain_c, need_t, need_f2, need_f3, early_start = (chain if chain is not None
+                                                            else (flags, 0, 0, 0, 0, False))
     if chain is not None:
         _pdl = 3
     if "args" not in cache:  # (the same tensors and settings for every chunk of a call)
@@ -1907,7 +1909,8 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
                           rows16=partial_exp is not None and bool(dq_by_tma)),
         PDL=_pdl, SORTED=2 if chain is not None else int(sorted_rows),
         FOLD_E=int(fe) if fold is not None else 0, FOLD_S=int(fs),
-        FOLD_NP=n_hb, num_warps=NUM_WARPS, maxnreg=MAXNREG, **({"launch_pdl": True} if _pdl >= 2 else {}),
+        FOLD_NP=n_hb, num_warps=NUM_WARPS, maxnreg=MAXNREG,
+        **({"launch_pdl": True} if _pdl == 2 or _pdl == 3 and early_start else {}),
     )
     if n_units > n_full:  # the remainder tiles' dQ: their parts summed in order
         job = DqParts(dqf, grad_q, t_begin, n_full, n_parts, n_tiles - n_full, n_hb, BLOCK_H)
