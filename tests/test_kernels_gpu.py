@@ -1172,7 +1172,8 @@ def test_fold_in_main_gives_the_shipped_bits(monkeypatch, H, K, ids, lengths):
     stored at their ranks, and the last chunk is folded alone in that layout): every gradient
     bitwise that of the shipped deterministic call, for chunks of 300, 70 and 33 tokens and
     run to run, with each chunk folded after its main kernel instead (``"beside"``), and with
-    the launches chained (``FOLD_CHAIN``: chunks of 70, 33 and 20 tokens, 5-15 launches); K
+    the launches chained (``FOLD_CHAIN``: chunks of 70, 33 and 20 tokens, 5-15 launches, and
+    sorts of two chunks); K
     past whole blocks (slots past K go to each part's spare row), lengths, duplicated ids,
     empty rows; grad_kv also against the float64 oracle."""
     monkeypatch.setattr(kbwd, "EXACT_SUMS", False)
@@ -1187,7 +1188,9 @@ def test_fold_in_main_gives_the_shipped_bits(monkeypatch, H, K, ids, lengths):
     def run(in_main, chunk=None, chain=False):
         with monkeypatch.context() as m:
             m.setattr(kbwd, "FOLD_IN_MAIN", in_main)
-            m.setattr(kbwd, "FOLD_CHAIN", chain)
+            m.setattr(kbwd, "FOLD_CHAIN", bool(chain))
+            if chain == "groups":  # (sorts of two chunks: a group's first launch is not started early)
+                m.setattr(kbwd, "SORT_ENTRIES", 2 * chunk * K)
             if chunk:  # (the design halves the budget, chained thirds it: chunks of ``chunk``)
                 bufs = (3 if chain else 2) if in_main else 1
                 per_chunk = chunk * n_hb * K * c.D * 4 * bufs  # (fp32 bytes)
@@ -1197,7 +1200,7 @@ def test_fold_in_main_gives_the_shipped_bits(monkeypatch, H, K, ids, lengths):
 
     ref = run(False)
     arms = ((True, None, False), (True, 70, False), (True, 33, False), ("beside", 70, False),
-            (True, 70, True), (True, 33, True), (True, 20, True))
+            (True, 70, True), (True, 33, True), (True, 20, True), (True, 20, "groups"))
     for in_main, chunk, chain in arms:
         got = run(in_main, chunk, chain)
         for name, a, b in zip(("grad_q", "grad_kv", "grad_sink"), ref, got):
