@@ -48,7 +48,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .backward import DqParts, sum_dq_parts
 from .common import cuda_properties
-from .fold_gluon import _FLAT1 as fold_flat1, _view as fold_view, fold_begin, fold_smem, fold_tiles
+from .fold_gluon import (_FLAT1 as fold_flat1, _view as fold_view, fold_begin, fold_smem, fold_start,
+                         fold_tiles)
 from .hopper import (MAXNREG, NUM_WARPS, PARTITION_REGS, PARTITION_WARPS, TRITON_VERSION, TensorDescriptor,
                      async_load, balanced_order, fake_group_base, hopper_rejects, load_ids, red_f32x4_fake,
                      red_f32x4_lines, red_f32x4_lines_exact, red_f32x4_lines_grid, red_s32x2_lines,
@@ -311,12 +312,10 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
         F_NP: gl.constexpr = f_words.shape[1]
         F_E: gl.constexpr = f_words.shape[2]
         fw = fold_view(f_words, gl.int64, F_S, F_E * F_NP, fold_flat1)
-        fgo = 1
-        if CHAIN:
-            fgo = _chain_ready(SYNC, chain_c, need_t, need_f2)
+        # (chained: the share now, its start once chunk c - 1 is ready)
         fstate = fold_begin(FSID, FSEG, ACC, N, rank, gl.num_programs(0), fold_ahead, f_buf, fw, FP, FE, F_E,
-                            F_S, F_NP, fgo)
-        fstarted = fgo
+                            F_S, F_NP, not CHAIN)
+        fstarted = need_t * 0
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte copies
     offs_d = gl.arange(0, _QD, layout=gl.SliceLayout(0, ld))
     offs_r = gl.arange(0, _BK, layout=gl.SliceLayout(1, ld))
@@ -396,11 +395,10 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
                     async_load(rank_smem.index((g0 + j) & 1), RANK + pos_c * K + slot_k, mask=slot_k < K)
                 cp.mbarrier_arrive(bars.index(_KV_READY + half), increment_count=False)
             if FOLD:  # fold tiles once the block's gathers and their arrives are issued
-                if CHAIN:  # (polled a block: the fold begins once chunk c - 1 is ready)
+                if CHAIN:  # (polled a block: the fold starts once chunk c - 1 is ready)
                     if fstarted == 0:
                         if _chain_ready(SYNC, chain_c, need_t, need_f2) != 0:
-                            fstate = fold_begin(FSID, FSEG, ACC, N, rank, gl.num_programs(0), fold_ahead,
-                                                f_buf, fw, FP, FE, F_E, F_S, F_NP, 1)
+                            fstate = fold_start(fstate, ACC, fold_ahead, f_buf, fw, FP, FE, F_E, F_S, F_NP)
                             fstarted = fstarted * 0 + 1
                 fstate = fold_tiles(fstate, fold_count, fold_ahead, FSID, FSEG, ACC, f_buf, fw, FP, FE, F_E,
                                     F_S, F_NP)
@@ -416,8 +414,7 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
             if fstarted == 0:
                 while _chain_ready(SYNC, chain_c, need_t, need_f2) == 0:
                     pass
-                fstate = fold_begin(FSID, FSEG, ACC, N, rank, gl.num_programs(0), fold_ahead, f_buf, fw, FP,
-                                    FE, F_E, F_S, F_NP, 1)
+                fstate = fold_start(fstate, ACC, fold_ahead, f_buf, fw, FP, FE, F_E, F_S, F_NP)
         fstate = fold_tiles(fstate, 1 << 30, fold_ahead, FSID, FSEG, ACC, f_buf, fw, FP, FE, F_E, F_S, F_NP)
         if CHAIN:  # this program's share of chunk c - 1's fold has ended (its sums stored)
             thread_barrier()

@@ -134,34 +134,46 @@ if gl is not None:
 
     @gluon.jit
     def fold_begin(FSID, FSEG, ACC, N, rank, grid, ahead, buf, words, FP, FE, E: gl.constexpr,
-                   S: gl.constexpr, NP: gl.constexpr, go=1):
+                   S: gl.constexpr, NP: gl.constexpr, START: gl.constexpr = True):
         """This program's share of the fold (entries [e0, e1)), its first row loaded and the
-        ring's first S - 1 tiles issued: the state ``fold_tiles`` carries. ``go`` 0: an empty
-        share (no load of the rows or the sums; the chained launches' state before the
-        previous chunk is ready, ``backward.FOLD_CHAIN``)."""
+        ring's first S - 1 tiles issued: the state ``fold_tiles`` carries. ``START`` False
+        (the chained launches, ``backward.FOLD_CHAIN``): the share and its rows' ids only
+        (the sorted ids and segments are there before the launch); the row's sum and the
+        tiles wait for ``fold_start``, once the previous chunks are ready."""
         n_valid = gl.load(FSEG + N).to(gl.int32)
         lo = ((rank.to(gl.int64) * n_valid) // grid).to(gl.int32)
         hi = (((rank + 1).to(gl.int64) * n_valid) // grid).to(gl.int32)
-        hi = gl.where(go != 0, hi, lo)
         e0 = _row_start(FSID, FSEG, lo, n_valid)
         e1 = _row_start(FSID, FSEG, hi, n_valid)
-        cols = _cols()
         live = e0 < e1
         last = gl.maximum(n_valid - 1, 0)
         rc = gl.load(FSID + gl.minimum(e0, last), mask=live, other=0).to(gl.int32)
         endc = gl.load(FSEG + rc + 1, mask=live, other=0).to(gl.int32)
-        acc = gl.load(ACC + rc.to(gl.int64) * _D + cols, mask=live & (cols >= 0), other=0.0,
-                      cache_modifier=".cg")
         # the next row (where e0's ends), its end and values loaded at the first tile
         rn = gl.load(FSID + gl.minimum(endc, last), mask=endc < e1, other=0).to(gl.int32)
-        for t in gl.static_range(S - 1):
-            _issue(buf, words, FP, FE, e0, e1, t, E, S, NP)
+        endn = gl.full([1], 0, gl.int32, _ONE_L)
+        acc = gl.zeros([_D // 4, 4], gl.float32, _ROW_L)
+        # (the tile and pending flag as tensors: a state made in a branch merges with the loop's)
+        state = (e0 * 0, e0, e1, rc, endc, acc, rn, endn, acc, e0 * 0 + 1)
+        if START:
+            state = fold_start(state, ACC, ahead, buf, words, FP, FE, E, S, NP)
+        return state
+
+    @gluon.jit
+    def fold_start(state, ACC, ahead, buf, words, FP, FE, E: gl.constexpr, S: gl.constexpr,
+                   NP: gl.constexpr):
+        """The fold's first row's sum so far loaded and the ring's first S - 1 tiles issued
+        (and ``ahead`` more prefetched into the L2)."""
+        t, e0, e1, rc, endc, acc, rn, endn, accn, pending = state
+        cols = _cols()
+        acc = gl.load(ACC + rc.to(gl.int64) * _D + cols, mask=(e0 < e1) & (cols >= 0), other=0.0,
+                      cache_modifier=".cg")
+        for i in gl.static_range(S - 1):
+            _issue(buf, words, FP, FE, e0, e1, i, E, S, NP)
         if ahead > 0:  # (the tiles up to S - 1 + ahead into the L2: the first tile steps prefetch on)
             for tp in range(S - 1, S - 1 + ahead):
                 _prefetch_l2(FP, e0, e1, tp, E, NP)
-        endn = gl.full([1], 0, gl.int32, _ONE_L)
-        # (the tile and pending flag as tensors: a state made in a branch merges with the loop's)
-        return (e0 * 0, e0, e1, rc, endc, acc, rn, endn, acc, e0 * 0 + 1)
+        return (t, e0, e1, rc, endc, acc, rn, endn, accn, pending)
 
     @gluon.jit
     def fold_tiles(state, count, ahead, FSID, FSEG, ACC, buf, words, FP, FE, E: gl.constexpr, S: gl.constexpr,
