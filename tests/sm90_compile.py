@@ -293,7 +293,7 @@ FWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_ot", "stride_oh")
 BWD_TYPES = dict(Q="*bf16", KV="*bf16", IDX="*i32", DO="*bf16", LSE="*fp32", DELTA="*fp32",
                  DQ="*bf16", DKV="*fp32", ACC="*fp32", PARTIAL="*fp32", FLAGS="*i32", LEN="*i32", TOK="*i32",
                  ORDER="*i32", DQR="*fp32", TR="*i32", DQP="*bf16", DQF="*fp32", EXP="*i64",
-                 RANK="*i32", FSID="*i16", FSEG="*i64", FP="*fp16", FE="*i64", SYNC="*i32", scale="fp32",
+                 RANK="*i32", FSID="*i16", FSEG="*i64", FP="*fp16", FE="*i64", SYNC="*fp32", scale="fp32",
                  scale_log2="fp32")
 BWD_DIV16 = ("stride_qt", "stride_qh", "stride_kvn", "stride_dt", "stride_dh", "stride_gt", "stride_gh")
 
@@ -351,7 +351,7 @@ def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None,
     ``sorted_rows``: the 16-bit partial rows at their ranks (``launch(ranks=...)``), and with
     ``fold`` (entries a tile, tiles in the ring) the previous chunk's fold in the producer
     (``launch(fold=...)``), ``n_part`` head blocks a token; ``chained``: those launches chained
-    (``launch(chain=...)``: ``SORTED`` 2, ``PDL`` 3)."""
+    (``launch(chain=...)``: SYNC int32, ``PDL`` 3)."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
     from dsv4_sparse_attn.kernels import hopper
 
@@ -374,9 +374,10 @@ def compile_backward_gluon(red=False, run_ptxas=True, has_len=False, lines=None,
         types = {**types, "DQ": f"tensordesc<bf16[1, {G.BLOCK_H}, 128],{layout!r}>"}
         consts["DQ_TMA"] = int(dq_tma)  # staged in q's quarters
     if sorted_rows:
-        consts["SORTED"] = 2 if chained else 1
+        consts["SORTED"] = 1
         if chained:
             consts["PDL"] = 3
+            types = dict(types, SYNC="*i32")
         if fold:
             consts.update(FOLD_E=fold[0], FOLD_S=fold[1], FOLD_NP=n_part)
     return compile_sm90(G._bwd_main_gluon_kernel, types, consts, hopper.NUM_WARPS, 1, BWD_DIV16,

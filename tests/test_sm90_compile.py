@@ -329,7 +329,7 @@ def test_gluon_backward_fold_in_main_compiles_for_sm90(fold, n_part):
                          ids=["chained", "chained-fold-e8s2", "chained-fold-h128"])
 def test_gluon_backward_chained_fold_compiles_for_sm90(fold, n_part):
     """``backward.FOLD_CHAIN`` (off, a measurement option): the builds of the chained launches
-    (``launch(chain=...)``: ``SORTED`` 2, ``PDL`` 3) within the shared memory, with the
+    (``launch(chain=...)``: the counters int32, ``PDL`` 3) within the shared memory, with the
     default build's wgmmas and stores in two block loops, none serialised. Under Triton 3.6
     the chained fold build's consumer loops reload 3-4 values a block (the fold's start, at
     two places in the producer, moves ptxas's allocation at 224 registers); under 3.9 one,

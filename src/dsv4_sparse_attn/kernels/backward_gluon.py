@@ -236,14 +236,8 @@ def _producer_sorted(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_L
 
 
 @gluon.jit
-def _producer_chained(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.constexpr,
-                      ABL: gl.constexpr):
-    _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN, ABL, 0, False, 0, 2)
-
-
-@gluon.jit
 def _chain_ready(SYNC, c, need_t, need_f2):
-    """Chained launches (``SORTED`` 2, ``backward.FOLD_CHAIN``): 1 once every tile of chunk
+    """Chained launches (``backward.FOLD_CHAIN``): 1 once every tile of chunk
     c - 1 has stored its rows and chunk c - 2's fold has ended (so the sums it continues are
     final), else 0. ``SYNC``: int32 counters, chunk k's tiles done at 2 k and its fold done at
     2 k + 1 (k counted from 3: the chunks before the first read zeros against targets 0);
@@ -299,13 +293,13 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
     # SORTED: each block's slots' partial-row ranks (RANK, ``backward.FOLD_IN_MAIN``) into
     # rank_smem for the consumers' stores; FOLD (where the kernel allocated the fold's ring:
     # f_buf, and f_words int64 [S, NP, E]): the previous chunk's fold between the gathers.
-    # SORTED 2 (chained launches, ``backward.FOLD_CHAIN``): the fold starts once the previous
+    # CHAIN (chained launches, ``backward.FOLD_CHAIN``; SYNC int32): the fold starts once the previous
     # chunk is ready (``_chain_ready``, polled after each block's gathers, waited for after
     # the last), and its end is counted in SYNC.
     RANK, FSID, FSEG, FP, FE, ACC, CHAINIO, fold_count, fold_ahead = FOLDIO
     SYNC, chain_c, need_t, need_f2 = CHAINIO
     FOLD: gl.constexpr = f_words.dtype == gl.int64
-    CHAIN: gl.constexpr = SORTED == 2
+    CHAIN: gl.constexpr = SYNC.dtype.element_ty == gl.int32
     offs_rk = gl.arange(0, _BK, layout=gl.BlockedLayout([1], [32], [4], [0]))
     if FOLD:
         F_S: gl.constexpr = f_buf.shape[0]
@@ -468,8 +462,9 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
     n_hb = gl.cdiv(H, _BH)
     tcount = 0
     bcount = 0  # slot blocks consumed so far (the barriers' phases)
-    if SORTED == 2:  # (chained launches) this chunk's buffer held chunk c - 3's rows: their fold has ended
-        SYNC, chain_c, need_f3 = chain
+    SYNC, chain_c, need_f3 = chain
+    CHAIN: gl.constexpr = SYNC.dtype.element_ty == gl.int32  # (chained launches: backward.FOLD_CHAIN)
+    if CHAIN:  # this chunk's buffer held chunk c - 3's rows: their fold has ended
         while gl.atomic_add(SYNC + 2 * (chain_c - 3) + 1, 0, sem="acquire", scope="gpu") < need_f3:
             pass
     for unit in range(rank, n_units, gl.num_programs(0)):
@@ -504,9 +499,9 @@ def _consumer(args, WG: gl.constexpr, RED: gl.constexpr, HAS_LEN: gl.constexpr, 
             _stamp(TR, n_tiles, rank, tcount, _EV_C_END + 4 * WG, ABL)
         tcount += 1
         bcount += nb_t
-    if SORTED == 2:  # this program's rows of the chunk stored (both consumers count: 2 a program)
+    if CHAIN:  # this program's rows of the chunk stored (both consumers count: 2 a program)
         thread_barrier()
-        gl.atomic_add(chain[0] + 2 * chain[1], 1, sem="release", scope="gpu")
+        gl.atomic_add(SYNC + 2 * chain_c, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -1438,8 +1433,8 @@ def _bwd_main_gluon_kernel(
                                     and HAS_LEN != 2),
                      "partial rows at their ranks: deterministic, D = 512, unsplit, q and dO by cp.async")
     gl.static_assert(FOLD_E == 0 or SORTED != 0, "the fold in the producer: partial rows at their ranks")
-    gl.static_assert(SORTED != 2 or PDL == 3,
-                     "chained launches (SORTED 2): each starts the next and waits for the last")
+    gl.static_assert(SYNC.dtype.element_ty != gl.int32 or (SORTED != 0 and PDL == 3),
+                     "chained launches (SYNC int32): rows at their ranks; PDL 3")
     gl.static_assert(ROPE == 0 or ROPE == 64, "score-only columns: none or 64 (the 576/512 layout)")
     gl.static_assert(not SPLIT or ROPE == 0, "split roles: D = 512 (no score-only columns)")
     gl.static_assert(RED != 7 or (ROPE == 0 and not EVICT_LAST), "exact sums: D = 512, no evict-last")
@@ -1556,7 +1551,7 @@ def _bwd_main_gluon_kernel(
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
                                          HP, TRANS, PARTS, PAIRS))],
                            [PARTITION_WARPS, PARTITION_WARPS], [PARTITION_REGS, PARTITION_REGS])
-    elif SORTED == 1:  # (with the fold the consumers at FOLD_CONSUMER_REGS, the producer at the rest)
+    elif SORTED:  # (with the fold the consumers at FOLD_CONSUMER_REGS, the producer at the rest)
         C_REGS: gl.constexpr = FOLD_CONSUMER_REGS if FOLD_E > 0 else PARTITION_REGS
         gl.warp_specialize([(_producer_sorted, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
@@ -1564,14 +1559,6 @@ def _bwd_main_gluon_kernel(
                             (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
                                          HP, TRANS, PARTS, PAIRS, 1))],
                            [PARTITION_WARPS, PARTITION_WARPS], [C_REGS, C_REGS])
-    elif SORTED == 2:  # (the same, chained: backward.FOLD_CHAIN)
-        C_REGS2: gl.constexpr = FOLD_CONSUMER_REGS if FOLD_E > 0 else PARTITION_REGS
-        gl.warp_specialize([(_producer_chained, p_args),
-                            (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS, PAIRS, 2)),
-                            (_consumer, (c_args, 1, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
-                                         HP, TRANS, PARTS, PAIRS, 2))],
-                           [PARTITION_WARPS, PARTITION_WARPS], [C_REGS2, C_REGS2])
     else:
         gl.warp_specialize([(_producer, p_args),
                             (_consumer, (c_args, 0, RED, HAS_LEN, ROPE, EVICT_LAST, SPLIT, 0, DQ_TMA, ABL,
@@ -1843,8 +1830,11 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         raise ValueError("the fold in the main kernel: with partial rows at their ranks (ranks)")
     if chain is not None and not sorted_rows:
         raise ValueError("chained launches: with partial rows at their ranks (ranks)")
+    # (without a chain an fp32 tensor as ``sync``: its dtype tells the kernel, CHAIN)
     sync, chain_c, need_t, need_f2, need_f3, early_start = (chain if chain is not None
-                                                            else (flags, 0, 0, 0, 0, False))
+                                                            else (acc, 0, 0, 0, 0, False))
+    if chain is not None and sync.dtype != torch.int32:
+        raise ValueError(f"chain: int32 counters, got {sync.dtype}")
     if chain is not None:
         _pdl = 3
     if "args" not in cache:  # (the same tensors and settings for every chunk of a call)
@@ -1904,7 +1894,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         HP=hp, TRANS=trans, PARTS=n_units > n_full,
         PAIRS=_pairs_code(paired, partial is not None, rope, pairs_code,
                           rows16=partial_exp is not None and bool(dq_by_tma)),
-        PDL=_pdl, SORTED=2 if chain is not None else int(sorted_rows),
+        PDL=_pdl, SORTED=int(sorted_rows),
         FOLD_E=int(fe) if fold is not None else 0, FOLD_S=int(fs),
         FOLD_NP=n_hb, num_warps=NUM_WARPS, maxnreg=MAXNREG,
         **({"launch_pdl": True} if _pdl == 2 or _pdl == 3 and early_start else {}),
