@@ -1758,9 +1758,10 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     start, and with ``early`` a launch takes that start, by programmatic dependent launch;
     each ends after the one before it), and int32 counters
     ``sync`` (zeros; chunk k's at 2 (k + 3) and 2 (k + 3) + 1) order them: this chunk, c, counts
-    its tiles' stores (two a tile) and its programs' ends of chunk c - 1's fold; its fold waits
-    for need_t stores of chunk c - 1 and need_f2 ends of chunk c - 2's fold, its stores for
-    need_f3 ends of chunk c - 3's (whose rows this chunk's buffer held: three buffers)."""
+    its programs' stores, each once its tiles are done (two a program, one a consumer), and
+    their ends of chunk c - 1's fold; its fold waits for need_t such counts of chunk c - 1 and
+    need_f2 ends of chunk c - 2's fold, its stores for need_f3 ends of chunk c - 3's (whose
+    rows this chunk's buffer held: three buffers)."""
     T, H, D = q.shape
     N, K = kv.shape[0], indices.shape[1]
     n_hb = triton.cdiv(H, BLOCK_H)
