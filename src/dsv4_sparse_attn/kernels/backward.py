@@ -909,9 +909,9 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                     opts = {}
                     if chained:
                         grids.append(min(n_tok * n_hb, n_sm) if n_sm else n_tok * n_hb)
-                        folds = not nofold  # (launch k + 1 folds chunk k, with its grids[k + 1] programs)
-                        need_f2 = grids[ci - 1] if folds and ci >= 2 else 0
-                        need_f3 = grids[ci - 2] if folds and ci >= 3 else 0
+                        # (launch k + 1 folds chunk k, with its grids[k + 1] programs)
+                        need_f2 = grids[ci - 1] if not nofold and ci >= 2 else 0
+                        need_f3 = grids[ci - 2] if not nofold and ci >= 3 else 0
                         # (a group's first launch follows the inversion's wait and this call's
                         # other work in stream order; the others start early)
                         opts = dict(programs=grids[ci], chain=(sync, ci, 2 * grids[ci - 1] if ci >= 1 else 0,

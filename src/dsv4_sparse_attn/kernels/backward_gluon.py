@@ -241,18 +241,11 @@ def _chain_ready(SYNC, c, need_t, need_f2):
     c - 1 has stored its rows and chunk c - 2's fold has ended (so the sums it continues are
     final), else 0. ``SYNC``: int32 counters, chunk k's tiles done at 2 k and its fold done at
     2 k + 1 (k counted from 3: the chunks before the first read zeros against targets 0);
-    acquire loads, so the rows and sums they count are seen."""
-    t = _ld_acquire(SYNC + 2 * (c - 1))
-    f = _ld_acquire(SYNC + 2 * (c - 2) + 1)
+    read with acquire, as the other waits on counters are, so the rows and sums they count
+    are seen."""
+    t = gl.atomic_add(SYNC + 2 * (c - 1), 0, sem="acquire", scope="gpu")
+    f = gl.atomic_add(SYNC + 2 * (c - 2) + 1, 0, sem="acquire", scope="gpu")
     return ((t >= need_t) & (f >= need_f2)).to(gl.int32)
-
-
-@gluon.jit
-def _ld_acquire(ptr):
-    """An int32 counter by ``ld.acquire.gpu`` in every thread (a scalar atomic would be one
-    thread's, its value sent to the others through shared memory and a barrier)."""
-    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
-                                     is_pure=False, pack=1)
 
 
 @gluon.jit
