@@ -300,15 +300,20 @@ def test_gluon_backward_bf16_partial_rows_compile_for_sm90():
     assert r["shared"] == 0 and r["spill_bytes"] == 0, r
 
 
-@pytest.mark.parametrize("fold, n_part", [(None, 1), ((8, 2), 1), ((4, 2), 2)],
-                         ids=["sorted", "fold-e8s2", "fold-h128"])
-def test_gluon_backward_fold_in_main_compiles_for_sm90(fold, n_part):
+@pytest.mark.parametrize("fold, n_part, chained", [(None, 1, False), ((8, 2), 1, False), ((4, 2), 2, False),
+                                                   (None, 1, True), ((8, 2), 1, True), ((4, 2), 2, True)],
+                         ids=["sorted", "fold-e8s2", "fold-h128", "chained", "chained-fold-e8s2",
+                              "chained-fold-h128"])
+def test_gluon_backward_fold_in_main_compiles_for_sm90(fold, n_part, chained):
     """``backward.FOLD_IN_MAIN`` (off): the deterministic 16-bit build with its rows stored at
     their ranks (``launch(ranks=...)``), and with the previous chunk's fold in the producer
     (``launch(fold=...)``; entries a tile and tiles in the ring as the launcher passes them at
-    one and two head blocks): within the shared memory, no
-    serialised wgmma, the consumers' block loops (at ``FOLD_CONSUMER_REGS`` with the fold)
-    as clean as the default build's, with its wgmmas and stores."""
+    one and two head blocks); ``chained``: the same builds of ``backward.FOLD_CHAIN``'s
+    launches (``launch(chain=...)``: the counters int32, ``PDL`` 3). Within the shared memory,
+    no serialised wgmma, the consumers' block loops (at ``FOLD_CONSUMER_REGS`` with the fold)
+    as clean as the default build's, with its wgmmas and stores; but the chained fold build's
+    loops reload 3-4 values a block under Triton 3.6 (the fold's start, at two places in the
+    producer, moves ptxas's allocation at 224 registers; under 3.9 one, as the default)."""
     from dsv4_sparse_attn.kernels import backward_gluon as G
 
     if not G.partial16_default(512, 512):
@@ -316,37 +321,13 @@ def test_gluon_backward_fold_in_main_compiles_for_sm90(fold, n_part):
     dq_tma = bool(G.DQ_TMA)
     base = compile_backward_gluon(red=False, split=0, p16=True, dq_tma=dq_tma)
     r = compile_backward_gluon(red=False, split=0, p16=True, dq_tma=dq_tma, sorted_rows=True, fold=fold,
-                               n_part=n_part)
+                               n_part=n_part, chained=chained)
     assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
     assert len(r["mma_loops"]) == 2, r["mma_loops"]
-    reloads = 1 if G.TRITON_VERSION >= (3, 9) else 0
+    reloads = 1 if G.TRITON_VERSION >= (3, 9) else 4 if chained and fold is not None else 0
     for lp, b in zip(r["mma_loops"], base["mma_loops"]):
         assert lp["LDL"] <= reloads and lp["HGMMA"] == b["HGMMA"] and lp["STG"] == b["STG"], (lp, b)
         assert lp["size"] <= b["size"] + 16, (lp, b)  # (the ranks' shared load and index)
-
-
-@pytest.mark.parametrize("fold, n_part", [(None, 1), ((8, 2), 1), ((4, 2), 2)],
-                         ids=["chained", "chained-fold-e8s2", "chained-fold-h128"])
-def test_gluon_backward_chained_fold_compiles_for_sm90(fold, n_part):
-    """``backward.FOLD_CHAIN`` (off, a measurement option): the builds of the chained launches
-    (``launch(chain=...)``: the counters int32, ``PDL`` 3) within the shared memory, with the
-    default build's wgmmas and stores in two block loops, none serialised. Under Triton 3.6
-    the chained fold build's consumer loops reload 3-4 values a block (the fold's start, at
-    two places in the producer, moves ptxas's allocation at 224 registers); under 3.9 one,
-    as the default build."""
-    from dsv4_sparse_attn.kernels import backward_gluon as G
-
-    if not G.partial16_default(512, 512):
-        pytest.skip(f"16-bit partial rows are not a default under Triton {G.TRITON_VERSION}")
-    dq_tma = bool(G.DQ_TMA)
-    base = compile_backward_gluon(red=False, split=0, p16=True, dq_tma=dq_tma)
-    r = compile_backward_gluon(red=False, split=0, p16=True, dq_tma=dq_tma, sorted_rows=True, fold=fold,
-                               n_part=n_part, chained=True)
-    assert r["shared"] <= H200_SMEM_LIMIT and r["wgmma_serialized"] is False, r
-    assert len(r["mma_loops"]) == 2, r["mma_loops"]
-    reloads = 1 if G.TRITON_VERSION >= (3, 9) else 0 if fold is None else 4
-    for lp, b in zip(r["mma_loops"], base["mma_loops"]):
-        assert lp["LDL"] <= reloads and lp["HGMMA"] == b["HGMMA"] and lp["STG"] == b["STG"], (lp, b)
 
 
 def test_gluon_backward_16_bit_store_ablations_compile_for_sm90():
