@@ -611,7 +611,7 @@ def test_gluon_backward_lengths_in_token_order_take_no_schedule(monkeypatch):
 
     if hopper.gluon_unavailable():
         pytest.skip(f"no Gluon in this Triton: {hopper.gluon_unavailable()}")
-    monkeypatch.setattr(backward_gluon, "_programs", lambda n_tiles, device, paired: 1)
+    monkeypatch.setattr(backward_gluon, "program_count", lambda n_tiles, device, paired: 1)
     q = torch.zeros(3, 64, 512, dtype=torch.bfloat16)
     kv, idx = torch.zeros(10, 512, dtype=torch.bfloat16), torch.zeros(3, 64, dtype=torch.int32)
     lengths = torch.full((3,), 64, dtype=torch.int32)
@@ -652,7 +652,7 @@ def test_gluon_backward_lengths_in_token_order_leave_the_remainder_to_parts(monk
             return run
 
     monkeypatch.setattr(backward_gluon, "_bwd_main_gluon_kernel", Kernel())
-    monkeypatch.setattr(backward_gluon, "_programs", lambda n_tiles, device, paired: min(n_tiles, 4))
+    monkeypatch.setattr(backward_gluon, "program_count", lambda n_tiles, device, paired: min(n_tiles, 4))
     K = 640
     q = torch.zeros(n_tok, H, 512, dtype=torch.bfloat16)
     kv, idx = torch.zeros(10, 512, dtype=torch.bfloat16), torch.zeros(n_tok, K, dtype=torch.int32)

@@ -313,7 +313,7 @@ def test_gluon_backward_remainder_parts_match_reference(case):
 
     main = _gluon_bwd_or_skip(case.H)
     n_tiles = case.T * -(-case.H // G.BLOCK_H)
-    grid = G._programs(n_tiles, torch.device(DEV), False)
+    grid = G.program_count(n_tiles, torch.device(DEV), False)
     n_full, n_parts = G._remainder_parts(n_tiles, grid, -(-case.K // G.BLOCK_K), True)
     if n_parts == 1:
         pytest.skip(f"{n_tiles} tiles on {grid} programs: no remainder to cut on this GPU")

@@ -34,7 +34,7 @@ def run(args, det=False, grad_q=None, **opts):
 def check(T, H, K):
     args = inputs(T, H, K)
     nb = -(-K // 64)
-    grid = G._programs(T * -(-H // 64), args[0].device, False)
+    grid = G.program_count(T * -(-H // 64), args[0].device, False)
     n_full, n_parts = G._remainder_parts(T * -(-H // 64), grid, nb, True)
     det = run(args, det=True)
     whole = run(args, split_remainder=False)

@@ -908,7 +908,8 @@ def sparse_mla_bwd(grad_out, grad_lse, q, kv, out, lse, indices, attn_sink, scal
                     part, pexp = sorted_bufs[ci % n_bufs]
                     opts = {}
                     if chained:
-                        grids.append(min(n_tok * n_hb, n_sm) if n_sm else n_tok * n_hb)
+                        # (the kernel module's own program count; no GPU: a program a tile)
+                        grids.append(main.program_count(n_tok * n_hb, dev, paired) if n_sm else n_tok * n_hb)
                         # (launch k + 1 folds chunk k, with its grids[k + 1] programs)
                         need_f2 = grids[ci - 1] if not nofold and ci >= 2 else 0
                         need_f3 = grids[ci - 2] if not nofold and ci >= 3 else 0

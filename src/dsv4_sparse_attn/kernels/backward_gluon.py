@@ -1734,7 +1734,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
     lengths only skip blocks: the ids past them must be masked, since the tiles past the
     last whole round of programs ignore them, cut into parts (``split_remainder``) in a
     launch of their own. ``programs``: the launch's program count (default one an SM, at
-    most a tile each: ``_programs``). ``pdl``: whether that launch of the remainder's parts
+    most a tile each: ``program_count``). ``pdl``: whether that launch of the remainder's parts
     starts on the SMs the whole rounds' programs leave as they end, by programmatic
     dependent launch (default ``REMAINDER_PDL``); without it the parts start once the last
     whole-round program has ended (a single launch has no such wait).
@@ -1773,7 +1773,7 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
                          f"got {partial.dtype}")
     if paired and (partial is None or n_hb % 2):
         raise ValueError("head blocks pair up only on the partial-row path, with an even count")
-    grid = _programs(n_tiles, q.device, paired) if programs is None else int(programs)
+    grid = program_count(n_tiles, q.device, paired) if programs is None else int(programs)
     in_order = bool(in_order) and topk_length is not None
     if in_order and (tokens is not None or order is not None):
         raise ValueError("in_order: the chunk's tokens in their order (no tokens or order given)")
@@ -1917,7 +1917,7 @@ def _remainder_parts(n_tiles: int, grid: int, nb: int, allowed: bool) -> tuple[i
 def trace_shape(n_tok: int, H: int, device, paired: bool) -> tuple[int, int, int]:
     """``launch(trace=...)``'s shape: [programs, tiles a program, events]."""
     n_tiles = n_tok * triton.cdiv(H, BLOCK_H)
-    grid = _programs(n_tiles, device, paired)
+    grid = program_count(n_tiles, device, paired)
     return (grid, triton.cdiv(n_tiles, grid), len(TRACE_EVENTS))
 
 
@@ -2017,7 +2017,8 @@ def _evict_last(N: int, D: int, device, evict_last) -> bool:
     return l2 > 0 and N * D * 4 >= EVICT_LAST_MIN_L2 * l2
 
 
-def _programs(n_tiles: int, device, paired: bool) -> int:
+def program_count(n_tiles: int, device, paired: bool) -> int:
+    """A persistent launch's programs: one an SM, at most one a tile."""
     grid = min(n_tiles, cuda_properties(device).multi_processor_count)
     if paired:  # an even program count keeps both tiles of a pair in the same round
         grid -= grid % 2
@@ -2035,7 +2036,7 @@ def schedule(topk_length, chunk: int, H: int, paired: bool, tokens=None):
         tokens = torch.arange(topk_length.shape[0], device=topk_length.device, dtype=torch.int32)
     P = tokens.shape[0]
     lengths = topk_length.index_select(0, tokens)
-    order = balanced_order(lengths, chunk, _programs(chunk * n_hb, topk_length.device, paired), n_hb)
+    order = balanced_order(lengths, chunk, program_count(chunk * n_hb, topk_length.device, paired), n_hb)
     first = torch.arange(P, device=tokens.device, dtype=torch.int32) // chunk * chunk  # the chunk's first
     return torch.stack((order, tokens.index_select(0, first + order)), 1)
 
