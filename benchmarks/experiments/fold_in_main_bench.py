@@ -17,7 +17,8 @@ ring: ``backward_gluon.FOLD_TILE_ENTRIES`` entries a tile, ``FOLD_STAGES`` tiles
 the L2); ``in_main_a0`` / ``_a8`` (no prefetch, 8 tiles ahead); ``in_main_t4`` / ``_t16``
 (4 or 16 tiles a block); ``in_main_e4s4`` (4 entries a tile, 4 tiles). One JSON line a shape: each
 arm's ms (do_bench median, best of the passes), whether its bits are the shipped call's,
-and its peak memory beyond the inputs.
+and its peak memory beyond the inputs; with GRAPH=1 also each arm replayed from a CUDA graph
+(``_graph_ms``: the GPU's time without the host's, which the calls of many chunks can exceed).
 """
 import json
 import os
@@ -30,11 +31,27 @@ from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon as G
 from side_by_side import env_shapes, with_flags
 
+GRAPH = os.environ.get("GRAPH", "0") == "1"
 SHAPES = ((4096, 64, 640), (4096, 128, 1152), (4096, 16, 1152), (4096, 128, 512))
 
 
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=int(os.environ.get("REP", 200)))
+
+
+def graphed(fn):
+    """``fn``'s call captured in a CUDA graph (after two warm calls on a side stream) and the
+    outputs the graph writes."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = fn()
+    return g, outs
 
 
 def arms():
@@ -90,10 +107,20 @@ def main():
                     if name + "_error" in row:
                         continue
                     row[f"{name}_ms_{i}"] = round(bench(f), 4)
+                    if GRAPH:  # the GPU's time alone: replayed from a CUDA graph (no host work)
+                        try:
+                            g, outs = graphed(f)
+                            g.replay()
+                            row[f"{name}_graph_bitwise"] = all(torch.equal(a, b) for a, b in zip(ref, outs))
+                            row[f"{name}_graph_ms_{i}"] = round(bench(g.replay), 4)
+                            del g, outs
+                        except Exception as e:
+                            row[name + "_graph_error"] = f"{type(e).__name__}: {e}"[:300]
         for name, _, _ in chosen:
-            got = [row[k] for k in row if k.startswith(name + "_ms_")]
-            if got:
-                row[name + "_best"] = min(got)
+            for kind in ("", "graph_"):
+                got = [row[k] for k in row if k.startswith(f"{name}_{kind}ms_")]
+                if got:
+                    row[f"{name}_{kind}best"] = min(got)
         print(json.dumps(row), flush=True)
 
 

@@ -382,12 +382,14 @@ def _produce(io, sizes, strides, smem, t_begin, n_tiles, nb, rank, HAS_LEN: gl.c
                     async_load(rank_smem.index((g0 + j) & 1), RANK + pos_c * K + slot_k, mask=slot_k < K)
                 cp.mbarrier_arrive(bars.index(_KV_READY + half), increment_count=False)
             if FOLD:  # fold tiles once the block's gathers and their arrives are issued
-                if CHAIN:  # (polled a block: the fold starts once chunk c - 1 is ready)
+                n_fold = fold_count
+                if CHAIN:  # (polled a block: the fold starts once chunk c - 1 is ready, no tile before)
                     if fstarted == 0:
                         if _chain_ready(SYNC, chain_c, need_t, need_f2) != 0:
                             fstate = fold_start(fstate, ACC, fold_ahead, f_buf, fw, FP, FE, F_E, F_S, F_NP)
                             fstarted = fstarted * 0 + 1
-                fstate = fold_tiles(fstate, fold_count, fold_ahead, FSID, FSEG, ACC, f_buf, fw, FP, FE, F_E,
+                    n_fold = fold_count * fstarted
+                fstate = fold_tiles(fstate, n_fold, fold_ahead, FSID, FSEG, ACC, f_buf, fw, FP, FE, F_E,
                                     F_S, F_NP)
             if ABL & 16:
                 if j == 0:
