@@ -89,7 +89,8 @@ FOLD_IN_MAIN = False
 # last programs leave instead of waiting for them; counters order the fold (chunk c's
 # programs fold chunk c - 1 once all its rows are stored and chunk c - 2's fold has ended)
 # and the buffers (three of a third of the budget: chunk c's rows overwrite chunk c - 3's
-# once their fold has ended). The same bits. Unmeasured.
+# once their fold has ended). The same bits. Off: measured slower with the fold (H100, H64 K640:
+# 5.13 ms against 3.54 shipped; docs/performance/backward.md, "The fold inside the main kernel").
 FOLD_CHAIN = False
 
 # Bound on the deterministic path's per-slot fp32 dKV buffer (the whole extra memory
