@@ -29,7 +29,7 @@ import triton.testing
 from bench import backward_inputs, backward_mode
 from dsv4_sparse_attn.kernels import backward as kbwd
 from dsv4_sparse_attn.kernels import backward_gluon as G
-from side_by_side import env_shapes, with_flags
+from side_by_side import env_shapes, graphed, with_flags
 
 GRAPH = os.environ.get("GRAPH", "0") == "1"
 SHAPES = ((4096, 64, 640), (4096, 128, 1152), (4096, 16, 1152), (4096, 128, 512))
@@ -37,21 +37,6 @@ SHAPES = ((4096, 64, 640), (4096, 128, 1152), (4096, 16, 1152), (4096, 128, 512)
 
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=int(os.environ.get("REP", 200)))
-
-
-def graphed(fn):
-    """``fn``'s call captured in a CUDA graph (after two warm calls on a side stream) and the
-    outputs the graph writes."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = fn()
-    return g, outs
 
 
 def arms():

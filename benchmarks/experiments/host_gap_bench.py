@@ -24,6 +24,7 @@ import triton
 
 import dsv4_sparse_attn
 from bench import make_inputs
+from side_by_side import graphed
 
 dev = "cuda"
 ROWS = [(4096, 64, 640), (4096, 128, 1152), (4096, 128, 512), (4096, 16, 1152), (4096, 64, 160)]
@@ -79,19 +80,6 @@ def write_jsonl(path, rows):
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def graphed(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
 def main():
     from triton.testing import do_bench
     print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
@@ -106,7 +94,7 @@ def main():
                 bwd()
                 eager = do_bench(bwd, warmup=25, rep=100, return_mode="median")
                 host = host_us(bwd)
-                g = graphed(bwd)
+                g, _ = graphed(bwd)
                 graph = do_bench(g.replay, warmup=25, rep=100, return_mode="median")
                 eager2 = do_bench(bwd, warmup=25, rep=100, return_mode="median")
                 del g

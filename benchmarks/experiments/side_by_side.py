@@ -82,6 +82,21 @@ def with_flags(module, run, **flags):
     return call
 
 
+def graphed(fn):
+    """``fn``'s call captured in a CUDA graph (after two warm calls on a side stream), and the
+    outputs that the graph's replays write."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = fn()
+    return g, outs
+
+
 def env_shapes(default):
     """(T, H, K) triples from the environment's SHAPES ("T,H,K;T,H,K", to run fewer in a short
     call), else ``default``."""
