@@ -2020,7 +2020,8 @@ def _evict_last(N: int, D: int, device, evict_last) -> bool:
 
 
 def program_count(n_tiles: int, device, paired: bool) -> int:
-    """A persistent launch's programs: one an SM, at most one a tile."""
+    """A persistent launch's programs: one an SM, at most one a tile, an even count where
+    head blocks pair."""
     grid = min(n_tiles, cuda_properties(device).multi_processor_count)
     if paired:  # an even program count keeps both tiles of a pair in the same round
         grid -= grid % 2
