@@ -1824,15 +1824,15 @@ def launch(q, kv, indices, grad_out, lse, delta, grad_q, acc, partial, flags, t_
         early = 0
     if fold is not None and not sorted_rows:
         raise ValueError("the fold in the main kernel: with partial rows at their ranks (ranks)")
-    if chain is not None and not sorted_rows:
-        raise ValueError("chained launches: with partial rows at their ranks (ranks)")
-    # (without a chain an fp32 tensor as ``sync``: its dtype tells the kernel, CHAIN)
-    sync, chain_c, need_t, need_f2, need_f3, early_start = (chain if chain is not None
-                                                            else (acc, 0, 0, 0, 0, False))
-    if chain is not None and sync.dtype != torch.int32:
-        raise ValueError(f"chain: int32 counters, got {sync.dtype}")
     if chain is not None:
+        if not sorted_rows:
+            raise ValueError("chained launches: with partial rows at their ranks (ranks)")
+        sync, chain_c, need_t, need_f2, need_f3, early_start = chain
+        if sync.dtype != torch.int32:
+            raise ValueError(f"chain: int32 counters, got {sync.dtype}")
         _pdl = 3
+    else:  # (an fp32 tensor as ``sync``: its dtype tells the kernel, CHAIN)
+        sync, chain_c, need_t, need_f2, need_f3, early_start = acc, 0, 0, 0, 0, False
     if "args" not in cache:  # (the same tensors and settings for every chunk of a call)
         cache["args"] = ((_qd_descriptor(q), _qd_descriptor(grad_out)) if tma else (q, grad_out),
                          _qd_descriptor(grad_q) if dq_by_tma else grad_q)
