@@ -623,6 +623,29 @@ def test_gluon_backward_lengths_in_token_order_take_no_schedule(monkeypatch):
                                   topk_length=lengths, in_order=True, **extra)
 
 
+def test_gluon_backward_chained_launch_checks_its_counters_and_layout():
+    """``launch(chain=...)`` (``backward.FOLD_CHAIN``): refused without the rows at their ranks
+    and with counters that are not int32 (the kernel tells a chained build by their dtype),
+    before anything is launched."""
+    from dsv4_sparse_attn.kernels import hopper
+
+    if hopper.gluon_unavailable():
+        pytest.skip(f"no Gluon in this Triton: {hopper.gluon_unavailable()}")
+    n_tok, K = 2, 64
+    q = torch.zeros(n_tok, 64, 512, dtype=torch.bfloat16)
+    kv, idx = torch.zeros(10, 512, dtype=torch.bfloat16), torch.zeros(n_tok, K, dtype=torch.int32)
+    acc = torch.zeros(10, 512)
+    part = torch.zeros(n_tok * K + 1, 512, dtype=torch.float16)
+    pexp = torch.zeros(n_tok * K + 1, dtype=torch.int64)
+    ranks = torch.zeros(n_tok * K, dtype=torch.int32)
+    common = (q, kv, idx, q, None, None, q, acc, part, None, 0, n_tok, 1.0, 1.0, False)
+    for sync, extra, match in ((torch.zeros(6, dtype=torch.int32), {}, "chained launches"),
+                               (torch.zeros(6), dict(ranks=ranks), "int32 counters")):
+        with pytest.raises(ValueError, match=match):
+            backward_gluon.launch(*common, partial_exp=pexp, programs=1, split=0,
+                                  chain=(sync, 0, 0, 0, 0, False), **extra)
+
+
 @pytest.mark.parametrize("H,n_tok,launches", [
     (64, 9, [(0, 8, 2, False, 8, 8, 1), (8, 1, False, True, 4, 0, 4)]),  # 10 blocks: 4 parts
     (128, 5, [(0, 4, 2, False, 8, 8, 1), (4, 1, False, True, 4, 0, 2)]),  # two head blocks
